@@ -1,0 +1,26 @@
+// TC tree hash v1: XXH3-128 over fixed-size chunks, then over the chunk digests.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace tc {
+
+constexpr size_t kTreeHashChunkBytes = 4194304;  // 4 MiB; part of the format
+constexpr unsigned kTreeHashVersion = 1;
+
+using Digest = std::array<uint8_t, 16>;  // canonical (big-endian) XXH128
+
+// Digest = XXH3_128(canonical(chunk_0) .. canonical(chunk_n-1) || le64(size)).
+// The result never depends on `threads` (0 = hardware concurrency).
+Digest tree_hash(const uint8_t* data, size_t size_bytes, unsigned threads);
+
+// Same digests as tree_hash on each buffer, but all chunks of all buffers share
+// one worker pool so many small buffers cost no per-buffer thread start.
+std::vector<Digest> tree_hash_many(
+    const std::vector<std::pair<const uint8_t*, size_t>>& buffers, unsigned threads);
+
+}  // namespace tc

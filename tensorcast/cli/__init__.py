@@ -1,0 +1,1 @@
+"""`tc`: thin commands over the SDK, one module per command."""

@@ -1,0 +1,98 @@
+"""What every command shares: connection options, output (human or --json), error exits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from tensorcast.sdk.runtime import Runtime
+
+StateDirOpt = Annotated[
+    Path | None,
+    typer.Option("--state-dir", help="Local cluster state dir [env TC_STATE_DIR; default "
+                 "~/.local/state/tensorcast].", show_default=False),
+]
+AddrOpt = Annotated[
+    str | None,
+    typer.Option("--addr", help="Global Store HOST:PORT of another cluster [env TC_ADDR].",
+                 show_default=False),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", help="Cluster token [env TC_TOKEN; default: the state dir's].",
+                 show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for scripts.")]
+
+
+def state_dir_of(state_dir: Path | None) -> Path:
+    from tensorcast.config import default_state_dir
+
+    return state_dir or default_state_dir()
+
+
+def connect(state_dir: Path | None, addr: str | None, token: str | None) -> Runtime:
+    from tensorcast.sdk.runtime import connect as sdk_connect
+
+    return sdk_connect(addr, token, state_dir=state_dir)
+
+
+def emit(as_json: bool, data: Any, human: str) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(human.rstrip("\n") + "\n")
+
+
+def fail(message: str, exit_code: int) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    raise typer.Exit(exit_code)
+
+
+def write_ready_file(path: Path | None, data: dict) -> None:
+    """Tell whoever started us (tc up, a script) where we listen, atomically."""
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def progress_bar(total_bytes: int, description: str, enabled: bool):
+    """A rich progress bar on stderr for long transfers; a no-op for --json or small ones."""
+    from contextlib import nullcontext
+
+    if not enabled or total_bytes < 64 * 1024 * 1024 or not sys.stderr.isatty():
+        return nullcontext(None)
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn,
+    )
+    from rich.console import Console
+
+    bar = Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+        transient=True,
+    )
+
+    class _Bar:
+        def __enter__(self):
+            bar.__enter__()
+            task = bar.add_task(description, total=total_bytes)
+            return lambda n: bar.advance(task, n)
+
+        def __exit__(self, *exc):
+            return bar.__exit__(*exc)
+
+    return _Bar()

@@ -1,0 +1,33 @@
+"""List artifacts (optionally those whose id starts with PREFIX)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tensorcast.cli.common import AddrOpt, JsonOpt, StateDirOpt, TokenOpt, connect, emit, table
+
+NAME = "ls"
+
+
+def command(
+    prefix: Annotated[str, typer.Argument(help="Only ids starting with this.")] = "",
+    state_dir: StateDirOpt = None, addr: AddrOpt = None, token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    import time
+
+    from tensorcast.config import format_size
+
+    with connect(state_dir, addr, token) as rt:
+        infos = rt.list_artifacts(prefix)
+    now = time.time()
+    rows = [
+        [a.art_id, format_size(a.size_bytes), str(len(a.tensors)), a.owner,
+         f"{a.expires_at - now:.0f}s" if a.expires_at else "-", str(len(a.replicas)),
+         a.content_id[:15]]
+        for a in infos
+    ]
+    emit(as_json, {"artifacts": [a.to_json() for a in infos]},
+         table(rows, ["ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "CONTENT"]))

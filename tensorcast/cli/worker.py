@@ -1,0 +1,51 @@
+"""`tc worker start`: run a worker in the foreground."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tensorcast.cli.common import StateDirOpt, TokenOpt, state_dir_of, write_ready_file
+from tensorcast.config import DEFAULT_WORKER_MEM
+
+app = typer.Typer(help="Run a worker (holds a slice of the tensor pool).", no_args_is_help=True)
+
+
+@app.command("start")
+def start(
+    store: Annotated[str, typer.Option("--store", help="Global Store HOST:PORT.")],
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT for the worker's gRPC service.")] = "127.0.0.1:0",
+    mem: Annotated[str, typer.Option("--mem", help="Pool size (allocated and pre-faulted at start).")] = DEFAULT_WORKER_MEM,
+    roles: Annotated[str, typer.Option("--roles", help="Comma list of basic, gateway, shard-home.")] = "basic,gateway,shard-home",
+    name: Annotated[str, typer.Option("--name", help="Name shown in tc status.")] = "",
+    token: TokenOpt = None,
+    state_dir: StateDirOpt = None,
+    ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Write {addr, pid, worker_id} here once serving.",
+                                                    show_default=False)] = None,
+) -> None:
+    """Serve a worker until SIGTERM/SIGINT: a shared-memory pool of --mem bytes with a hard cap,
+    registered with the Global Store and heartbeating."""
+    import logging
+
+    from tensorcast.config import env_token, parse_host_port, parse_size, timing
+    from tensorcast.errors import InvalidArgument
+    from tensorcast.sdk.cluster_file import read_token
+    from tensorcast.worker.server import parse_roles, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    parse_host_port(store)
+    parse_host_port(listen)
+    mem_bytes = parse_size(mem)
+    role_list = parse_roles(roles)
+    token = token or env_token() or read_token(state_dir_of(state_dir))
+    if not token:
+        raise InvalidArgument("no cluster token: pass --token or set TC_TOKEN")
+    t = timing()
+    serve(
+        store, listen, token, mem_bytes, role_list, name, t.heartbeat_interval_s, t.rpc_timeout_s,
+        on_ready=lambda node: write_ready_file(
+            ready_file, {"addr": node.addr, "pid": os.getpid(), "worker_id": node.worker_id}),
+    )

@@ -1,0 +1,133 @@
+"""Configuration: the only module that reads `TC_*` environment variables, plus size parsing.
+
+Stays import-light (no torch, grpc) because `tc --help` imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensorcast.errors import InvalidArgument
+
+DEFAULT_STORE_PORT = 7400
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TTL_S = 5.0
+DEFAULT_RPC_TIMEOUT_S = 30.0
+DEFAULT_WORKER_MEM = "1GiB"
+# gRPC messages carry metadata and chunks of bulk data for remote callers; cap them.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+STREAM_CHUNK_BYTES = 4 * 1024 * 1024
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Parse "512MiB", "2GiB", "1.5G", "4096" into bytes. Decimal units are powers of 1000."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise InvalidArgument(
+            f"bad size {text!r}: use a number with an optional unit, e.g. 512MiB, 2GiB, 1.5GB"
+        )
+    size_bytes = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size_bytes <= 0:
+        raise InvalidArgument(f"bad size {text!r}: must be greater than zero")
+    return size_bytes
+
+
+def format_size(size_bytes: int) -> str:
+    value = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_host_port(text: str, default_port: int = 0) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidArgument(f"bad address {text!r}: use HOST:PORT, e.g. 127.0.0.1:7400")
+    return host.strip("[]"), int(port)
+
+
+def default_state_dir() -> Path:
+    if env := os.environ.get("TC_STATE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tensorcast"
+
+
+def env_addr() -> str | None:
+    return os.environ.get("TC_ADDR") or None
+
+
+def env_token() -> str | None:
+    return os.environ.get("TC_TOKEN") or None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise InvalidArgument(f"{name}={raw!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Liveness timing shared by the store (TTL) and workers (interval)."""
+
+    heartbeat_interval_s: float
+    heartbeat_ttl_s: float
+    rpc_timeout_s: float
+
+
+def timing() -> Timing:
+    return Timing(
+        heartbeat_interval_s=_env_float("TC_HEARTBEAT_INTERVAL_S", DEFAULT_HEARTBEAT_INTERVAL_S),
+        heartbeat_ttl_s=_env_float("TC_HEARTBEAT_TTL_S", DEFAULT_HEARTBEAT_TTL_S),
+        rpc_timeout_s=_env_float("TC_RPC_TIMEOUT_S", DEFAULT_RPC_TIMEOUT_S),
+    )
+
+
+def host_id() -> str:
+    """Identity of this host as seen by the data plane: same host means shared memory works.
+
+    Boot id plus network namespace, so workers in separate namespaces count as separate hosts.
+    """
+    if env := os.environ.get("TC_HOST_ID"):
+        return env
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = os.uname().nodename
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return hashlib.sha256(f"{boot_id}|{netns}".encode()).hexdigest()[:16]

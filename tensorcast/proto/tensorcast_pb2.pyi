@@ -1,0 +1,291 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "size_bytes", "offset_bytes", "hash")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    size_bytes: int
+    offset_bytes: int
+    hash: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., hash: _Optional[str] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("worker_id", "tier")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    tier: str
+    def __init__(self, worker_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class Artifact(_message.Message):
+    __slots__ = ("art_id", "content_id", "owner", "size_bytes", "tensors", "created_at", "expires_at", "parent", "replicas")
+    ART_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    art_id: str
+    content_id: str
+    owner: str
+    size_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    created_at: float
+    expires_at: float
+    parent: str
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., parent: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class Worker(_message.Message):
+    __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    MEM_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    name: str
+    addr: str
+    host_id: str
+    local_socket: str
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    mem_cap_bytes: int
+    mem_used_bytes: int
+    pid: int
+    registered_at: float
+    heartbeat_age_s: float
+    alive: bool
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., addr: _Optional[str] = ..., host_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., mem_cap_bytes: _Optional[int] = ..., mem_used_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., registered_at: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: Worker
+    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ...) -> None: ...
+
+class RegisterWorkerReply(_message.Message):
+    __slots__ = ("heartbeat_ttl_s",)
+    HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_ttl_s: float
+    def __init__(self, heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "mem_used_bytes", "content_ids")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    mem_used_bytes: int
+    content_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("drop_content_ids",)
+    DROP_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    drop_content_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, drop_content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class ListWorkersReply(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[Worker]
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+
+class AddReplicaRequest(_message.Message):
+    __slots__ = ("worker_id", "content_id", "size_bytes", "tensors")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    content_id: str
+    size_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class FindContentRequest(_message.Message):
+    __slots__ = ("content_id",)
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    def __init__(self, content_id: _Optional[str] = ...) -> None: ...
+
+class FindContentReply(_message.Message):
+    __slots__ = ("exists", "replicas", "tensors")
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    exists: bool
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, exists: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class CreateArtifactRequest(_message.Message):
+    __slots__ = ("art_id", "content_id", "owner", "ttl_s", "parent")
+    ART_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    art_id: str
+    content_id: str
+    owner: str
+    ttl_s: float
+    parent: str
+    def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., ttl_s: _Optional[float] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class CreateArtifactReply(_message.Message):
+    __slots__ = ("artifact", "existed")
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    artifact: Artifact
+    existed: bool
+    def __init__(self, artifact: _Optional[_Union[Artifact, _Mapping]] = ..., existed: _Optional[bool] = ...) -> None: ...
+
+class ArtifactRequest(_message.Message):
+    __slots__ = ("art_id",)
+    ART_ID_FIELD_NUMBER: _ClassVar[int]
+    art_id: str
+    def __init__(self, art_id: _Optional[str] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("art_id", "ttl_s")
+    ART_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    art_id: str
+    ttl_s: float
+    def __init__(self, art_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ListArtifactsRequest(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+
+class ListArtifactsReply(_message.Message):
+    __slots__ = ("artifacts",)
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
+    def __init__(self, artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
+
+class StoreStatus(_message.Message):
+    __slots__ = ("version", "schema_version", "uptime_s", "db_path", "heartbeat_ttl_s", "num_artifacts", "num_contents")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    DB_PATH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTENTS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    schema_version: int
+    uptime_s: float
+    db_path: str
+    heartbeat_ttl_s: float
+    num_artifacts: int
+    num_contents: int
+    def __init__(self, version: _Optional[str] = ..., schema_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., db_path: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., num_artifacts: _Optional[int] = ..., num_contents: _Optional[int] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker", "num_contents", "num_holds")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    worker: Worker
+    num_contents: int
+    num_holds: int
+    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., num_contents: _Optional[int] = ..., num_holds: _Optional[int] = ...) -> None: ...
+
+class SliceSpec(_message.Message):
+    __slots__ = ("tensor", "start", "stop", "step")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    start: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensor: _Optional[str] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ViewRequest(_message.Message):
+    __slots__ = ("content_id", "slices")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    slices: _containers.RepeatedCompositeFieldContainer[SliceSpec]
+    def __init__(self, content_id: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[SliceSpec, _Mapping]]] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("content_id", "size_bytes", "tensors", "deduplicated")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    size_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    deduplicated: bool
+    def __init__(self, content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("content_id", "offset_bytes", "length_bytes")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    offset_bytes: int
+    length_bytes: int
+    def __init__(self, content_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset_bytes", "data", "hash")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    data: bytes
+    hash: str
+    def __init__(self, offset_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., hash: _Optional[str] = ...) -> None: ...
+
+class WriteMessage(_message.Message):
+    __slots__ = ("tensors", "size_bytes", "chunk")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    size_bytes: int
+    chunk: Chunk
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., size_bytes: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,89 @@
+"""Protobuf <-> core dataclasses. Protobuf objects stay in services and clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.types import ArtifactInfo, ReplicaInfo, TensorMeta, WorkerInfo
+
+
+def tensor_to_pb(t: TensorMeta) -> pb.TensorMeta:
+    return pb.TensorMeta(
+        name=t.name,
+        dtype=t.dtype,
+        shape=list(t.shape),
+        size_bytes=t.size_bytes,
+        offset_bytes=t.offset_bytes,
+        hash=t.hash_hex,
+    )
+
+
+def tensor_from_pb(m: pb.TensorMeta) -> TensorMeta:
+    return TensorMeta(m.name, m.dtype, tuple(m.shape), m.size_bytes, m.offset_bytes, m.hash)
+
+
+def tensors_from_pb(ms: Iterable[pb.TensorMeta]) -> tuple[TensorMeta, ...]:
+    return tuple(tensor_from_pb(m) for m in ms)
+
+
+def artifact_to_pb(a: ArtifactInfo) -> pb.Artifact:
+    return pb.Artifact(
+        art_id=a.art_id,
+        content_id=a.content_id,
+        owner=a.owner,
+        size_bytes=a.size_bytes,
+        tensors=[tensor_to_pb(t) for t in a.tensors],
+        created_at=a.created_at,
+        expires_at=a.expires_at or 0.0,
+        parent=a.parent,
+        replicas=[pb.Replica(worker_id=r.worker_id, tier=r.tier) for r in a.replicas],
+    )
+
+
+def artifact_from_pb(m: pb.Artifact) -> ArtifactInfo:
+    return ArtifactInfo(
+        art_id=m.art_id,
+        content_id=m.content_id,
+        owner=m.owner,
+        size_bytes=m.size_bytes,
+        tensors=tensors_from_pb(m.tensors),
+        created_at=m.created_at,
+        expires_at=m.expires_at or None,
+        parent=m.parent,
+        replicas=tuple(ReplicaInfo(r.worker_id, r.tier) for r in m.replicas),
+    )
+
+
+def worker_to_pb(w: WorkerInfo) -> pb.Worker:
+    return pb.Worker(
+        worker_id=w.worker_id,
+        name=w.name,
+        addr=w.addr,
+        host_id=w.host_id,
+        local_socket=w.local_socket,
+        roles=list(w.roles),
+        mem_cap_bytes=w.mem_cap_bytes,
+        mem_used_bytes=w.mem_used_bytes,
+        pid=w.pid,
+        registered_at=w.registered_at,
+        heartbeat_age_s=w.heartbeat_age_s,
+        alive=w.alive,
+    )
+
+
+def worker_from_pb(m: pb.Worker) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=m.worker_id,
+        name=m.name,
+        addr=m.addr,
+        host_id=m.host_id,
+        local_socket=m.local_socket,
+        roles=tuple(m.roles),
+        mem_cap_bytes=m.mem_cap_bytes,
+        mem_used_bytes=m.mem_used_bytes,
+        pid=m.pid,
+        registered_at=m.registered_at,
+        heartbeat_age_s=m.heartbeat_age_s,
+        alive=m.alive,
+    )

@@ -1,0 +1,110 @@
+"""Server side: one interceptor checks the cluster token and turns TensorcastError into gRPC status."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from tensorcast.config import MAX_MESSAGE_BYTES
+from tensorcast.errors import TensorcastError
+
+log = logging.getLogger(__name__)
+
+TOKEN_METADATA_KEY = "x-tensorcast-token"
+
+
+def _abort(context: grpc.ServicerContext, error: TensorcastError) -> None:
+    context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
+
+
+def _guard(behavior: Callable, token: str, streaming_response: bool) -> Callable:
+    def authorized(context: grpc.ServicerContext) -> bool:
+        sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
+        if isinstance(sent, bytes):
+            sent = sent.decode(errors="replace")
+        if hmac.compare_digest(sent.encode(), token.encode()):
+            return True
+        context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong cluster token: pass --token or set TC_TOKEN",
+        )
+        return False
+
+    if streaming_response:
+
+        def stream_wrapper(request: Any, context: grpc.ServicerContext):
+            authorized(context)
+            try:
+                yield from behavior(request, context)
+            except TensorcastError as e:
+                _abort(context, e)
+
+        return stream_wrapper
+
+    def unary_wrapper(request: Any, context: grpc.ServicerContext):
+        authorized(context)
+        try:
+            return behavior(request, context)
+        except TensorcastError as e:
+            _abort(context, e)
+
+    return unary_wrapper
+
+
+class GuardInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            fn = _guard(handler.unary_unary, self._token, False)
+            return grpc.unary_unary_rpc_method_handler(
+                fn, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            fn = _guard(handler.unary_stream, self._token, True)
+            return grpc.unary_stream_rpc_method_handler(
+                fn, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            fn = _guard(handler.stream_unary, self._token, False)
+            return grpc.stream_unary_rpc_method_handler(
+                fn, handler.request_deserializer, handler.response_serializer
+            )
+        fn = _guard(handler.stream_stream, self._token, True)
+        return grpc.stream_stream_rpc_method_handler(
+            fn, handler.request_deserializer, handler.response_serializer
+        )
+
+
+def make_server(token: str, max_workers: int = 16) -> grpc.Server:
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        interceptors=[GuardInterceptor(token)],
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=256,
+    )
+
+
+def bind(server: grpc.Server, listen: str) -> str:
+    """Bind HOST:PORT (port 0 = ephemeral); returns the bound address."""
+    host = listen.rpartition(":")[0]
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as e:
+        raise TensorcastError(f"cannot listen on {listen}: {e}") from None
+    if port == 0:
+        raise TensorcastError(f"cannot listen on {listen}: address in use or invalid")
+    return f"{host}:{port}"

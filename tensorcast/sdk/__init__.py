@@ -1,0 +1,1 @@
+"""The Python SDK: `Runtime` (a connection to a cluster) and `Artifact` handles."""

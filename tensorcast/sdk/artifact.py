@@ -1,0 +1,150 @@
+"""`Artifact`: a handle on an immutable, named set of tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unavailable
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.types import ArtifactInfo, TensorMeta
+
+if TYPE_CHECKING:
+    import torch
+
+    from tensorcast.sdk.runtime import Progress, Runtime
+
+SliceLike = slice | int | Sequence[slice]
+
+
+class Artifact:
+    def __init__(self, runtime: Runtime, info: ArtifactInfo) -> None:
+        self.runtime = runtime
+        self.info = info
+
+    def __repr__(self) -> str:
+        return (
+            f"Artifact({self.art_id!r}, {len(self.info.tensors)} tensors, "
+            f"{self.size_bytes} bytes, owner={self.info.owner})"
+        )
+
+    @property
+    def art_id(self) -> str:
+        return self.info.art_id
+
+    @property
+    def content_id(self) -> str:
+        return self.info.content_id
+
+    @property
+    def size_bytes(self) -> int:
+        return self.info.size_bytes
+
+    def tensor_meta(self) -> dict[str, TensorMeta]:
+        """Name -> dtype, shape, size and content hash; no data moves."""
+        return {t.name: t for t in self.info.tensors}
+
+    def refresh(self) -> Artifact:
+        self.info = self.runtime.info(self.art_id)
+        return self
+
+    def tensor_dict(
+        self, device: str = "cpu", *, progress: Progress | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Materialize the tensors.
+
+        On a host with a worker holding the artifact: zero-copy, tensors over a private mapping of
+        the worker's shared memory (writes stay in the caller's copy, never reach the pool), valid
+        for as long as the caller keeps them, even if the artifact is deleted meanwhile.
+        Otherwise the bytes are pulled into this process's memory and verified against their hashes.
+        `device` other than "cpu" copies them there.
+        """
+        info = self.refresh().info
+        errors: list[str] = []
+        for worker in self.runtime.read_sources(info):
+            try:
+                tensors = self._materialize(worker, info)
+            except (NotFound, Unavailable) as e:  # replica just went away: try the next one
+                errors.append(f"{worker.name}: {e}")
+                continue
+            if device != "cpu":
+                tensors = {k: v.to(device) for k, v in tensors.items()}
+            return tensors
+        raise Unavailable(f"no replica of {self.art_id!r} could be read: {'; '.join(errors)}")
+
+    def _materialize(self, worker, info: ArtifactInfo) -> dict[str, torch.Tensor]:
+        from tensorcast import tensors as tmod
+        from tensorcast.errors import IntegrityError
+        from tensorcast.transport import native
+
+        if self.runtime.is_local(worker):
+            mm, base, metas = self.runtime.local_connection(worker).open(info.content_id)
+            return tmod.tensors_over(mm, base, metas)
+        buffer = bytearray(info.size_bytes)
+        self.runtime.stream_read(worker, info.content_id, info.size_bytes, buffer)
+        view = memoryview(buffer)
+        hashes = native.hash_buffers(
+            [view[t.offset_bytes : t.offset_bytes + t.size_bytes] for t in info.tensors]
+        )
+        for t, h in zip(info.tensors, hashes):
+            if t.hash_hex != h:
+                raise IntegrityError(f"tensor {t.name!r} of {self.art_id!r} arrived corrupt")
+        return tmod.tensors_over(buffer, 0, info.tensors)
+
+    def view(self, slices: Mapping[str, SliceLike], name: str) -> Artifact:
+        """A derived artifact `name`: every tensor, those named in `slices` sliced by the worker
+        holding the data (basic indexing: an int or slice for dim 0, or a sequence of slices)."""
+        meta = self.tensor_meta()
+        specs = []
+        for tensor, index in slices.items():
+            if tensor not in meta:
+                raise InvalidArgument(f"{self.art_id!r} has no tensor {tensor!r}")
+            specs.append(_slice_spec(tensor, meta[tensor].shape, index))
+        info = self.refresh().info
+        last: TensorcastError | None = None
+        for worker in self.runtime.read_sources(info):
+            try:
+                reply = self.runtime.worker_stub(worker).call(
+                    "View", pb.ViewRequest(content_id=info.content_id, slices=specs)
+                )
+            except (NotFound, Unavailable) as e:
+                last = e
+                continue
+            return self.runtime._name(name, reply.content_id, info.owner,
+                                      _remaining_ttl(info), self.art_id)
+        assert last is not None
+        raise last
+
+    def renew(self, ttl_s: float) -> Artifact:
+        """Extend a caller-leased artifact's lease to `ttl_s` from now."""
+        self.info = self.runtime.renew(self.art_id, ttl_s)
+        return self
+
+
+def _remaining_ttl(info: ArtifactInfo) -> float:
+    import time
+
+    return max(0.001, info.expires_at - time.time()) if info.expires_at else 0.0
+
+
+def _slice_spec(tensor: str, shape: tuple[int, ...], index: SliceLike) -> pb.SliceSpec:
+    if isinstance(index, (slice, int)):
+        index = [index]
+    dims = list(index)
+    if len(dims) > len(shape):
+        raise InvalidArgument(f"{tensor!r} has {len(shape)} dims, got {len(dims)} indices")
+    spec = pb.SliceSpec(tensor=tensor)
+    for size, d in zip(shape, dims):
+        if isinstance(d, int):  # keep the dimension: an int selects a length-1 slice
+            if not -size <= d < size:
+                raise InvalidArgument(f"{tensor!r}: index {d} out of range for size {size}")
+            d = slice(d % size, d % size + 1)
+        if not isinstance(d, slice):
+            raise InvalidArgument(f"{tensor!r}: use ints or slices, got {d!r}")
+        start, stop, step = d.indices(size)
+        if step < 1:
+            raise InvalidArgument(f"{tensor!r}: negative steps are not supported")
+        spec.start.append(start)
+        spec.stop.append(max(start, stop))
+        spec.step.append(step)
+    return spec

@@ -1,0 +1,130 @@
+"""A caller's connection to a worker on the same host (see worker/local_server.py).
+
+Mappings of held contents keep this connection open; when the last tensor over a mapping is
+garbage collected its hold is released in the background, and closing the connection releases
+everything the worker kept for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+import weakref
+from typing import Any
+
+from tensorcast import errors
+from tensorcast.transport import unix
+from tensorcast.types import TensorMeta
+
+_PAGE = mmap.PAGESIZE
+
+
+class LocalConnection:
+    def __init__(self, socket_name: str, token: str, timeout_s: float) -> None:
+        self.sock = unix.connect(socket_name, timeout_s)
+        self._lock = threading.Lock()
+        try:
+            reply, fds = self._roundtrip({"op": "hello", "token": token})
+        except BaseException:
+            self.sock.close()
+            raise
+        if not fds:
+            raise errors.Unavailable("worker did not send its pool descriptor")
+        self.fd = fds[0]
+        self.worker_id = reply["worker_id"]
+        self._live_holds = 0
+        self._released: collections.deque[int] = collections.deque()
+        self._wake = threading.Event()
+        self._closing = False
+        self._closed = False
+        threading.Thread(target=self._release_loop, name="tc-release", daemon=True).start()
+
+    def _roundtrip(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            if getattr(self, "_closed", False):
+                raise errors.Unavailable("local worker connection is closed")
+            try:
+                unix.send_message(self.sock, message)
+                reply, fds = unix.recv_message(self.sock)
+            except (OSError, ConnectionError) as e:
+                raise errors.Unavailable(f"local worker connection failed: {e}") from None
+        if not reply.get("ok"):
+            cls = getattr(errors, str(reply.get("error")), errors.TensorcastError)
+            if not (isinstance(cls, type) and issubclass(cls, errors.TensorcastError)):
+                cls = errors.TensorcastError
+            raise cls(reply.get("message", "worker error"))
+        return reply, fds
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self._roundtrip(message)[0]
+
+    def map(self, offset: int, size_bytes: int, writable: bool) -> tuple[mmap.mmap, int]:
+        """Map [offset, offset+size) of the pool; returns the map and where the region starts in it.
+
+        Read mappings are private (copy-on-write): a caller writing to a tensor changes only its
+        own copy, never the pool.
+        """
+        start = offset - offset % _PAGE
+        length = max(offset + size_bytes - start, 1)
+        if writable:
+            mm = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED, offset=start)
+        else:
+            mm = mmap.mmap(
+                self.fd, length, flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start,
+            )
+        return mm, offset - start
+
+    def open(self, content_id: str) -> tuple[mmap.mmap, int, tuple[TensorMeta, ...]]:
+        """Hold a content and map it; the hold ends when the returned map is garbage collected."""
+        reply = self.request({"op": "open", "content_id": content_id})
+        hold_id = reply["hold_id"]
+        try:
+            mm, base = self.map(reply["offset"], reply["size_bytes"], writable=False)
+        except BaseException:
+            self._release_now(hold_id)
+            raise
+        with self._lock:
+            self._live_holds += 1
+        weakref.finalize(mm, self._on_unmapped, hold_id)
+        return mm, base, tuple(TensorMeta.from_json(t) for t in reply["tensors"])
+
+    def _release_now(self, hold_id: int) -> None:
+        self.request({"op": "release", "hold_id": hold_id})
+
+    def _on_unmapped(self, hold_id: int) -> None:
+        # Runs inside garbage collection, maybe on a thread holding self._lock: only enqueue.
+        self._released.append(hold_id)
+        self._wake.set()
+
+    def _release_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._released:
+                hold_id = self._released.popleft()
+                with self._lock:
+                    self._live_holds -= 1
+                try:
+                    self._release_now(hold_id)
+                except errors.TensorcastError:
+                    pass  # connection gone: the worker released everything already
+            with self._lock:
+                done = self._closing and self._live_holds == 0
+            if done:
+                self._shutdown()
+                return
+
+    def close(self) -> None:
+        """Close once no mapping of ours is alive (until then the worker must keep the memory)."""
+        with self._lock:
+            self._closing = True
+        self._wake.set()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.sock.close()
+            os.close(self.fd)

@@ -1,0 +1,278 @@
+"""`Runtime`: a caller's handle on a cluster. Talks to the Global Store for metadata and to
+workers for data; on the same host through shared memory, elsewhere through gRPC streams."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tensorcast import config
+from tensorcast.errors import InvalidArgument, Unavailable
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
+from tensorcast.rpc.client import Stub, make_channel
+from tensorcast.rpc.convert import artifact_from_pb, tensor_to_pb, worker_from_pb
+from tensorcast.sdk.cluster_file import ClusterRecord, read_token
+from tensorcast.sdk.local_client import LocalConnection
+from tensorcast.types import (
+    OWNER_LEASE,
+    OWNER_SYSTEM,
+    ArtifactInfo,
+    TensorMeta,
+    WorkerInfo,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from tensorcast.sdk.artifact import Artifact
+
+Progress = Callable[[int], None]  # called with bytes just moved
+
+
+def connect(
+    addr: str | None = None,
+    token: str | None = None,
+    *,
+    state_dir: str | os.PathLike[str] | None = None,
+    timeout_s: float | None = None,
+) -> Runtime:
+    """Connect to a cluster's Global Store.
+
+    With no `addr`, uses `TC_ADDR`, else the local cluster recorded in the state dir
+    (`--state-dir`, `TC_STATE_DIR`, default ~/.local/state/tensorcast). The token comes from
+    `token`, `TC_TOKEN`, or the state dir. Raises `Unavailable` when no cluster can be found.
+    """
+    directory = Path(state_dir) if state_dir else config.default_state_dir()
+    addr = addr or config.env_addr()
+    if addr is None:
+        record = ClusterRecord.load(directory)
+        if record is None:
+            raise Unavailable(
+                f"no local cluster in {directory}: run `tc up`, or pass --addr / set TC_ADDR"
+            )
+        addr = record.store_addr
+    config.parse_host_port(addr)
+    token = token or config.env_token() or read_token(directory)
+    if not token:
+        raise InvalidArgument("no cluster token: pass --token, set TC_TOKEN, or use the state dir")
+    runtime = Runtime(addr, token, timeout_s or config.timing().rpc_timeout_s)
+    runtime.store_status()  # fail fast on a wrong address or token
+    return runtime
+
+
+class Runtime:
+    def __init__(self, store_addr: str, token: str, timeout_s: float) -> None:
+        self.store_addr = store_addr
+        self.token = token
+        self.timeout_s = timeout_s
+        self.host_id = config.host_id()
+        self._channel = make_channel(store_addr)
+        self.store = Stub(
+            pb_grpc.GlobalStoreStub(self._channel), f"global store {store_addr}", token, timeout_s
+        )
+        self._worker_stubs: dict[str, tuple[Any, Stub]] = {}
+        self._local: dict[str, LocalConnection] = {}
+        self._lock = threading.Lock()
+
+    # -- cluster -------------------------------------------------------------------------------
+
+    def store_status(self) -> pb.StoreStatus:
+        return self.store.call("Status", pb.Empty())
+
+    def workers(self) -> list[WorkerInfo]:
+        return [worker_from_pb(w) for w in self.store.call("ListWorkers", pb.Empty()).workers]
+
+    def worker_stub(self, worker: WorkerInfo) -> Stub:
+        with self._lock:
+            if worker.worker_id not in self._worker_stubs:
+                channel = make_channel(worker.addr)
+                stub = Stub(
+                    pb_grpc.WorkerServiceStub(channel), f"worker {worker.name} ({worker.addr})",
+                    self.token, self.timeout_s,
+                )
+                self._worker_stubs[worker.worker_id] = (channel, stub)
+            return self._worker_stubs[worker.worker_id][1]
+
+    def local_connection(self, worker: WorkerInfo) -> LocalConnection:
+        with self._lock:
+            conn = self._local.get(worker.worker_id)
+        if conn is None:
+            conn = LocalConnection(worker.local_socket, self.token, self.timeout_s)
+            with self._lock:
+                conn = self._local.setdefault(worker.worker_id, conn)
+        return conn
+
+    def is_local(self, worker: WorkerInfo) -> bool:
+        return worker.host_id == self.host_id
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._local.values():
+                conn.close()
+            for channel, _ in self._worker_stubs.values():
+                channel.close()
+            self._local.clear()
+            self._worker_stubs.clear()
+        self._channel.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- artifacts -----------------------------------------------------------------------------
+
+    def put(
+        self, tensors: Mapping[str, torch.Tensor], art_id: str, *, progress: Progress | None = None
+    ) -> Artifact:
+        """Copy tensors into the pool as a system-owned artifact (lives until deleted).
+
+        Idempotent for the same content; `AlreadyExists` if `art_id` names other content.
+        """
+        return self._store_tensors(tensors, art_id, OWNER_SYSTEM, 0.0, progress)
+
+    def register(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        art_id: str,
+        *,
+        ttl_s: float,
+        progress: Progress | None = None,
+    ) -> Artifact:
+        """A caller-leased artifact: gone `ttl_s` after creation unless renewed (`renew`)."""
+        if not ttl_s > 0:
+            raise InvalidArgument("ttl_s must be > 0")
+        return self._store_tensors(tensors, art_id, OWNER_LEASE, ttl_s, progress)
+
+    def _store_tensors(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        art_id: str,
+        owner: str,
+        ttl_s: float,
+        progress: Progress | None,
+    ) -> Artifact:
+        from tensorcast import tensors as tmod
+        from tensorcast.sdk import writes
+        from tensorcast.types import pack_layout
+
+        items = tmod.check_tensors(tensors)
+        metas, size = pack_layout([(n, tmod.dtype_name(t.dtype), tuple(t.shape)) for n, t in items])
+        sources = [tmod.tensor_bytes(t) for _, t in items]
+        committed = writes.write_content(
+            self, metas, size, writes.buffer_filler(metas, sources), progress
+        )
+        return self._name(art_id, committed.content_id, owner, ttl_s, "")
+
+    def put_files(
+        self,
+        art_id: str,
+        path: str | os.PathLike[str],
+        *,
+        ttl_s: float | None = None,
+        progress: Progress | None = None,
+    ) -> Artifact:
+        """Put a safetensors file, or every safetensors file of a directory, as one artifact.
+
+        Headers are validated before any data moves; bytes are read by parallel positional reads
+        straight into pool memory.
+        """
+        from tensorcast.sdk import writes
+
+        metas, size, filler = writes.plan_files(path)
+        committed = writes.write_content(self, metas, size, filler, progress)
+        owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
+        return self._name(art_id, committed.content_id, owner, ttl_s or 0.0, "")
+
+    def _name(self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str) -> Artifact:
+        from tensorcast.sdk.artifact import Artifact
+
+        reply = self.store.call(
+            "CreateArtifact",
+            pb.CreateArtifactRequest(
+                art_id=art_id, content_id=content_id, owner=owner, ttl_s=ttl_s, parent=parent
+            ),
+        )
+        return Artifact(self, artifact_from_pb(reply.artifact))
+
+    def artifact(self, art_id: str) -> Artifact:
+        from tensorcast.sdk.artifact import Artifact
+
+        return Artifact(self, self.info(art_id))
+
+    def info(self, art_id: str) -> ArtifactInfo:
+        return artifact_from_pb(self.store.call("GetArtifact", pb.ArtifactRequest(art_id=art_id)))
+
+    def list_artifacts(self, prefix: str = "") -> list[ArtifactInfo]:
+        reply = self.store.call("ListArtifacts", pb.ListArtifactsRequest(prefix=prefix))
+        return [artifact_from_pb(a) for a in reply.artifacts]
+
+    def delete(self, art_id: str) -> None:
+        """Forget `art_id`; its memory is freed once no artifact shares the content and no caller
+        still maps it (tensors already materialized stay valid)."""
+        self.store.call("DeleteArtifact", pb.ArtifactRequest(art_id=art_id))
+
+    def renew(self, art_id: str, ttl_s: float) -> ArtifactInfo:
+        return artifact_from_pb(
+            self.store.call("RenewLease", pb.RenewLeaseRequest(art_id=art_id, ttl_s=ttl_s))
+        )
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def write_targets(self) -> list[WorkerInfo]:
+        """Live workers to write to: same host first, then most free memory."""
+        alive = [w for w in self.workers() if w.alive]
+        if not alive:
+            raise Unavailable("no live worker in the cluster: start one (tc worker start / tc up)")
+        return sorted(
+            alive, key=lambda w: (not self.is_local(w), -(w.mem_cap_bytes - w.mem_used_bytes))
+        )
+
+    def read_sources(self, info: ArtifactInfo) -> list[WorkerInfo]:
+        """Live workers holding the artifact: same host first, then least loaded."""
+        by_id = {w.worker_id: w for w in self.workers() if w.alive}
+        holders = [by_id[r.worker_id] for r in info.replicas if r.worker_id in by_id]
+        if not holders:
+            raise Unavailable(
+                f"artifact {info.art_id!r} has no live replica (its workers are down)"
+            )
+        return sorted(holders, key=lambda w: (not self.is_local(w), w.mem_used_bytes))
+
+    def stream_read(
+        self, worker: WorkerInfo, content_id: str, size_bytes: int, into: Any,
+        progress: Progress | None = None,
+    ) -> None:
+        """Pull a content from a remote worker into `into` (a writable buffer), chunk-verified."""
+        from tensorcast.errors import IntegrityError
+        from tensorcast.transport import native
+
+        stub = self.worker_stub(worker)
+        request = pb.ReadRequest(content_id=content_id, offset_bytes=0, length_bytes=size_bytes)
+        view = memoryview(into)
+        for chunk in stub.stream("ReadChunks", request):
+            if native.hash_buffer(chunk.data) != chunk.hash:
+                raise IntegrityError(f"chunk at {chunk.offset_bytes} from {worker.name} is corrupt")
+            view[chunk.offset_bytes : chunk.offset_bytes + len(chunk.data)] = chunk.data
+            if progress:
+                progress(len(chunk.data))
+
+    def stream_write(
+        self, worker: WorkerInfo, metas: list[TensorMeta], size_bytes: int, chunks: Iterator[tuple[int, bytes]]
+    ) -> pb.CommitReply:
+        from tensorcast.transport import native
+
+        def messages():
+            yield pb.WriteMessage(tensors=[tensor_to_pb(t) for t in metas], size_bytes=size_bytes)
+            for offset, data in chunks:
+                yield pb.WriteMessage(
+                    chunk=pb.Chunk(offset_bytes=offset, data=data, hash=native.hash_buffer(data))
+                )
+
+        stub = self.worker_stub(worker)
+        return stub.call("WriteChunks", messages())
+

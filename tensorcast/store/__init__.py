@@ -1,0 +1,1 @@
+"""Global Store: control-plane metadata (workers, artifacts, replicas, leases, plan results)."""

@@ -1,0 +1,95 @@
+"""Versioned schema of the sqlite Global Store. Append migrations; never edit a released one.
+
+The version lives in `PRAGMA user_version`; each migration runs in one transaction with its bump.
+"""
+
+from __future__ import annotations
+
+import sqlite_utils
+
+
+def _v1(db: sqlite_utils.Database) -> None:
+    db["workers"].create(
+        {
+            "worker_id": str,
+            "name": str,
+            "addr": str,
+            "host_id": str,
+            "local_socket": str,
+            "roles": str,  # JSON list
+            "mem_cap_bytes": int,
+            "mem_used_bytes": int,
+            "pid": int,
+            "registered_at": float,
+            "last_heartbeat": float,
+        },
+        pk="worker_id",
+    )
+    db["instances"].create(
+        {
+            "instance_id": str,
+            "worker_id": str,
+            "engine": str,
+            "registered_at": float,
+            "last_heartbeat": float,
+            "load": str,  # JSON
+        },
+        pk="instance_id",
+    )
+    db["contents"].create(
+        {"content_id": str, "size_bytes": int, "tensors": str, "created_at": float},
+        pk="content_id",
+    )
+    db["artifacts"].create(
+        {
+            "art_id": str,
+            "content_id": str,
+            "owner": str,
+            "created_at": float,
+            "expires_at": float,
+            "parent": str,
+        },
+        pk="art_id",
+        foreign_keys=[("content_id", "contents", "content_id")],
+        not_null={"content_id", "owner", "created_at"},
+    )
+    db["artifacts"].create_index(["content_id"])
+    db["artifacts"].create_index(["expires_at"])
+    db["replicas"].create(
+        {"content_id": str, "worker_id": str, "tier": str, "created_at": float},
+        pk=("content_id", "worker_id", "tier"),
+    )
+    db["replicas"].create_index(["worker_id"])
+    db["shard_leases"].create(
+        {"shard": int, "holder_worker_id": str, "fencing_token": int, "expires_at": float},
+        pk="shard",
+    )
+    db["plan_results"].create(
+        {
+            "idempotency_key": str,
+            "trace_id": str,
+            "status": str,
+            "result": str,  # JSON
+            "created_at": float,
+            "finished_at": float,
+        },
+        pk="idempotency_key",
+    )
+
+
+MIGRATIONS = (_v1,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Bring the database to SCHEMA_VERSION; refuses a database newer than this code."""
+    current = db.execute("PRAGMA user_version").fetchone()[0]
+    if current > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"database schema v{current} is newer than this tensorcast (v{SCHEMA_VERSION}): upgrade"
+        )
+    for version in range(current + 1, SCHEMA_VERSION + 1):
+        with db.conn:
+            MIGRATIONS[version - 1](db)
+            db.execute(f"PRAGMA user_version = {version}")
+    return SCHEMA_VERSION

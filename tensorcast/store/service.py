@@ -1,0 +1,112 @@
+"""gRPC face of the Global Store: decode, call the `MetadataStore`, encode. Nothing else."""
+
+from __future__ import annotations
+
+import time
+
+from tensorcast import __version__
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
+from tensorcast.rpc.convert import (
+    artifact_to_pb,
+    tensor_to_pb,
+    tensors_from_pb,
+    worker_to_pb,
+)
+from tensorcast.store.base import MetadataStore, WorkerRegistration
+
+
+class GlobalStoreService(pb_grpc.GlobalStoreServicer):
+    def __init__(self, store: MetadataStore, db_path: str, heartbeat_ttl_s: float) -> None:
+        self.store = store
+        self.db_path = db_path
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.started_at = time.time()
+
+    def Status(self, request, context):
+        num_artifacts, num_contents = self.store.counts()
+        return pb.StoreStatus(
+            version=__version__,
+            schema_version=getattr(self.store, "schema_version", 0),
+            uptime_s=time.time() - self.started_at,
+            db_path=self.db_path,
+            heartbeat_ttl_s=self.heartbeat_ttl_s,
+            num_artifacts=num_artifacts,
+            num_contents=num_contents,
+        )
+
+    def RegisterWorker(self, request, context):
+        w = request.worker
+        self.store.register_worker(
+            WorkerRegistration(
+                worker_id=w.worker_id,
+                name=w.name,
+                addr=w.addr,
+                host_id=w.host_id,
+                local_socket=w.local_socket,
+                roles=tuple(w.roles),
+                mem_cap_bytes=w.mem_cap_bytes,
+                pid=w.pid,
+            ),
+            time.time(),
+        )
+        return pb.RegisterWorkerReply(heartbeat_ttl_s=self.heartbeat_ttl_s)
+
+    def DeregisterWorker(self, request, context):
+        self.store.deregister_worker(request.worker_id)
+        return pb.Empty()
+
+    def Heartbeat(self, request, context):
+        drop = self.store.heartbeat(
+            request.worker_id, request.mem_used_bytes, list(request.content_ids), time.time()
+        )
+        return pb.HeartbeatReply(drop_content_ids=drop)
+
+    def ListWorkers(self, request, context):
+        workers = self.store.list_workers(time.time())
+        return pb.ListWorkersReply(workers=[worker_to_pb(w) for w in workers])
+
+    def AddReplica(self, request, context):
+        self.store.add_replica(
+            request.worker_id,
+            request.content_id,
+            request.size_bytes,
+            tensors_from_pb(request.tensors),
+            time.time(),
+        )
+        return pb.Empty()
+
+    def FindContent(self, request, context):
+        info = self.store.find_content(request.content_id, time.time())
+        if info is None:
+            return pb.FindContentReply(exists=False)
+        return pb.FindContentReply(
+            exists=True,
+            replicas=[pb.Replica(worker_id=r.worker_id, tier=r.tier) for r in info.replicas],
+            tensors=[tensor_to_pb(t) for t in info.tensors],
+        )
+
+    def CreateArtifact(self, request, context):
+        info, existed = self.store.create_artifact(
+            request.art_id,
+            request.content_id,
+            request.owner,
+            request.ttl_s,
+            request.parent,
+            time.time(),
+        )
+        return pb.CreateArtifactReply(artifact=artifact_to_pb(info), existed=existed)
+
+    def GetArtifact(self, request, context):
+        return artifact_to_pb(self.store.get_artifact(request.art_id, time.time()))
+
+    def ListArtifacts(self, request, context):
+        infos = self.store.list_artifacts(request.prefix, time.time())
+        return pb.ListArtifactsReply(artifacts=[artifact_to_pb(a) for a in infos])
+
+    def DeleteArtifact(self, request, context):
+        self.store.delete_artifact(request.art_id, time.time())
+        return pb.Empty()
+
+    def RenewLease(self, request, context):
+        return artifact_to_pb(self.store.renew_lease(request.art_id, request.ttl_s, time.time()))

@@ -1,0 +1,340 @@
+"""`SqliteStore`: the default Global Store backend, one sqlite file in WAL mode.
+
+Every write commits with `synchronous=FULL`, so a record acknowledged to a caller survives a crash
+of the store process (and of the machine). One lock serialises access: control-plane rates are low.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+
+import sqlite_utils
+
+from tensorcast.errors import AlreadyExists, InvalidArgument, NotFound
+from tensorcast.store.base import ContentInfo, WorkerRegistration
+from tensorcast.store.schema import migrate
+from tensorcast.types import (
+    OWNER_LEASE,
+    OWNER_SYSTEM,
+    ArtifactInfo,
+    ReplicaInfo,
+    TensorMeta,
+    WorkerInfo,
+)
+
+# A content committed by a worker but not yet named by an artifact survives this long.
+UNREFERENCED_GRACE_S = 120.0
+# Dead workers stay listed (as dead) this long, so `tc status` can show them.
+DEAD_WORKER_RETENTION_S = 600.0
+MAX_ID_LENGTH = 512
+
+
+def validate_art_id(art_id: str) -> None:
+    if not art_id or len(art_id) > MAX_ID_LENGTH or not art_id.isprintable() or art_id != art_id.strip():
+        raise InvalidArgument(
+            f"bad artifact id {art_id!r}: use 1-{MAX_ID_LENGTH} printable characters, "
+            "no leading or trailing spaces"
+        )
+
+
+class SqliteStore:
+    def __init__(self, path: str | Path, heartbeat_ttl_s: float) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
+        self.db = sqlite_utils.Database(conn)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.schema_version = migrate(self.db)
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.conn.close()
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def register_worker(self, reg: WorkerRegistration, now: float) -> None:
+        with self._lock, self.db.conn:
+            self.db["workers"].upsert(
+                {
+                    "worker_id": reg.worker_id,
+                    "name": reg.name,
+                    "addr": reg.addr,
+                    "host_id": reg.host_id,
+                    "local_socket": reg.local_socket,
+                    "roles": json.dumps(list(reg.roles)),
+                    "mem_cap_bytes": reg.mem_cap_bytes,
+                    "mem_used_bytes": 0,
+                    "pid": reg.pid,
+                    "registered_at": now,
+                    "last_heartbeat": now,
+                },
+                pk="worker_id",
+            )
+
+    def deregister_worker(self, worker_id: str) -> None:
+        with self._lock, self.db.conn:
+            self.db.execute("DELETE FROM replicas WHERE worker_id = ?", [worker_id])
+            self.db.execute("DELETE FROM workers WHERE worker_id = ?", [worker_id])
+
+    def heartbeat(
+        self, worker_id: str, mem_used_bytes: int, content_ids: list[str], now: float
+    ) -> list[str]:
+        with self._lock, self.db.conn:
+            cursor = self.db.execute(
+                "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ? WHERE worker_id = ?",
+                [now, mem_used_bytes, worker_id],
+            )
+            if cursor.rowcount == 0:
+                raise NotFound(f"worker {worker_id} is not registered")
+            known = self._known_contents(content_ids)
+            held = set(content_ids)
+            for content_id in known:
+                self.db.execute(
+                    "INSERT OR IGNORE INTO replicas VALUES (?, ?, 'cpu', ?)",
+                    [content_id, worker_id, now],
+                )
+            # The worker no longer holds these (it restarted or dropped them): forget them.
+            for (content_id,) in self.db.execute(
+                "SELECT content_id FROM replicas WHERE worker_id = ?", [worker_id]
+            ).fetchall():
+                if content_id not in held:
+                    self.db.execute(
+                        "DELETE FROM replicas WHERE worker_id = ? AND content_id = ?",
+                        [worker_id, content_id],
+                    )
+            return sorted(held - known)
+
+    def _known_contents(self, content_ids: list[str]) -> set[str]:
+        known: set[str] = set()
+        for start in range(0, len(content_ids), 500):
+            batch = content_ids[start : start + 500]
+            marks = ",".join("?" * len(batch))
+            rows = self.db.execute(
+                f"SELECT content_id FROM contents WHERE content_id IN ({marks})", batch
+            )
+            known.update(r[0] for r in rows)
+        return known
+
+    def list_workers(self, now: float) -> list[WorkerInfo]:
+        with self._lock:
+            rows = list(self.db["workers"].rows_where(order_by="name, worker_id"))
+        return [self._worker(r, now) for r in rows]
+
+    def _worker(self, r: dict, now: float) -> WorkerInfo:
+        age = max(0.0, now - r["last_heartbeat"])
+        return WorkerInfo(
+            worker_id=r["worker_id"],
+            name=r["name"],
+            addr=r["addr"],
+            host_id=r["host_id"],
+            local_socket=r["local_socket"],
+            roles=tuple(json.loads(r["roles"])),
+            mem_cap_bytes=r["mem_cap_bytes"],
+            mem_used_bytes=r["mem_used_bytes"],
+            pid=r["pid"],
+            registered_at=r["registered_at"],
+            heartbeat_age_s=age,
+            alive=age <= self.heartbeat_ttl_s,
+        )
+
+    # -- contents and replicas -----------------------------------------------------------------
+
+    def add_replica(
+        self,
+        worker_id: str,
+        content_id: str,
+        size_bytes: int,
+        tensors: tuple[TensorMeta, ...],
+        now: float,
+    ) -> None:
+        with self._lock, self.db.conn:
+            if not self.db.execute(
+                "SELECT 1 FROM workers WHERE worker_id = ?", [worker_id]
+            ).fetchone():
+                raise NotFound(f"worker {worker_id} is not registered")
+            self.db.execute(
+                "INSERT OR IGNORE INTO contents VALUES (?, ?, ?, ?)",
+                [content_id, size_bytes, json.dumps([t.to_json() for t in tensors]), now],
+            )
+            self.db.execute(
+                "INSERT OR IGNORE INTO replicas VALUES (?, ?, 'cpu', ?)",
+                [content_id, worker_id, now],
+            )
+
+    def find_content(self, content_id: str, now: float) -> ContentInfo | None:
+        with self._lock:
+            row = self.db.execute(
+                "SELECT size_bytes, tensors FROM contents WHERE content_id = ?", [content_id]
+            ).fetchone()
+            if row is None:
+                return None
+            replicas = self._live_replicas(content_id, now)
+        tensors = tuple(TensorMeta.from_json(t) for t in json.loads(row[1]))
+        return ContentInfo(content_id, row[0], tensors, replicas)
+
+    def _live_replicas(self, content_id: str, now: float) -> tuple[ReplicaInfo, ...]:
+        rows = self.db.execute(
+            "SELECT r.worker_id, r.tier FROM replicas r JOIN workers w USING (worker_id) "
+            "WHERE r.content_id = ? AND w.last_heartbeat >= ? ORDER BY r.created_at",
+            [content_id, now - self.heartbeat_ttl_s],
+        ).fetchall()
+        return tuple(ReplicaInfo(w, t) for w, t in rows)
+
+    # -- artifacts -----------------------------------------------------------------------------
+
+    def create_artifact(
+        self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str, now: float
+    ) -> tuple[ArtifactInfo, bool]:
+        validate_art_id(art_id)
+        if owner not in (OWNER_SYSTEM, OWNER_LEASE):
+            raise InvalidArgument(f"bad owner {owner!r}: use 'system' or 'lease'")
+        if owner == OWNER_LEASE and not ttl_s > 0:
+            raise InvalidArgument("a caller-leased artifact needs ttl_s > 0")
+        with self._lock, self.db.conn:
+            self._expire(now)
+            existing = self.db.execute(
+                "SELECT content_id FROM artifacts WHERE art_id = ?", [art_id]
+            ).fetchone()
+            if existing is not None:
+                if existing[0] != content_id:
+                    raise AlreadyExists(
+                        f"artifact {art_id!r} already exists with different content "
+                        "(artifacts are immutable): choose a new id, e.g. a version suffix @v2"
+                    )
+                existed = True
+            else:
+                if not self.db.execute(
+                    "SELECT 1 FROM contents WHERE content_id = ?", [content_id]
+                ).fetchone():
+                    raise NotFound(f"content {content_id} is not held by any worker")
+                self.db.execute(
+                    "INSERT INTO artifacts VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        art_id,
+                        content_id,
+                        owner,
+                        now,
+                        now + ttl_s if owner == OWNER_LEASE else None,
+                        parent,
+                    ],
+                )
+                existed = False
+            return self._artifact(art_id, now), existed
+
+    def get_artifact(self, art_id: str, now: float) -> ArtifactInfo:
+        with self._lock:
+            return self._artifact(art_id, now)
+
+    def _artifact(self, art_id: str, now: float) -> ArtifactInfo:
+        row = self.db.execute(
+            "SELECT a.content_id, a.owner, a.created_at, a.expires_at, a.parent, "
+            "c.size_bytes, c.tensors FROM artifacts a JOIN contents c USING (content_id) "
+            "WHERE a.art_id = ?",
+            [art_id],
+        ).fetchone()
+        if row is None or (row[3] is not None and row[3] <= now):
+            raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
+        content_id, owner, created_at, expires_at, parent, size_bytes, tensors = row
+        return ArtifactInfo(
+            art_id=art_id,
+            content_id=content_id,
+            owner=owner,
+            size_bytes=size_bytes,
+            tensors=tuple(TensorMeta.from_json(t) for t in json.loads(tensors)),
+            created_at=created_at,
+            expires_at=expires_at,
+            parent=parent or "",
+            replicas=self._live_replicas(content_id, now),
+        )
+
+    def list_artifacts(self, prefix: str, now: float) -> list[ArtifactInfo]:
+        with self._lock:
+            ids = [
+                r[0]
+                for r in self.db.execute(
+                    "SELECT art_id FROM artifacts WHERE substr(art_id, 1, ?) = ? "
+                    "AND (expires_at IS NULL OR expires_at > ?) ORDER BY art_id",
+                    [len(prefix), prefix, now],
+                )
+            ]
+            return [self._artifact(art_id, now) for art_id in ids]
+
+    def delete_artifact(self, art_id: str, now: float) -> None:
+        with self._lock, self.db.conn:
+            self._expire(now)
+            row = self.db.execute(
+                "SELECT content_id FROM artifacts WHERE art_id = ?", [art_id]
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
+            self.db.execute("DELETE FROM artifacts WHERE art_id = ?", [art_id])
+            self._drop_if_unreferenced(row[0])
+
+    def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo:
+        if not ttl_s > 0:
+            raise InvalidArgument("ttl_s must be > 0")
+        with self._lock, self.db.conn:
+            self._expire(now)
+            row = self.db.execute("SELECT owner FROM artifacts WHERE art_id = ?", [art_id]).fetchone()
+            if row is None:
+                raise NotFound(f"no artifact {art_id!r}: its lease may have expired")
+            if row[0] != OWNER_LEASE:
+                raise InvalidArgument(f"artifact {art_id!r} is system-owned and has no lease")
+            self.db.execute(
+                "UPDATE artifacts SET expires_at = ? WHERE art_id = ?", [now + ttl_s, art_id]
+            )
+            return self._artifact(art_id, now)
+
+    # -- expiry and garbage collection ---------------------------------------------------------
+
+    def _drop_if_unreferenced(self, content_id: str) -> None:
+        if not self.db.execute(
+            "SELECT 1 FROM artifacts WHERE content_id = ? LIMIT 1", [content_id]
+        ).fetchone():
+            self.db.execute("DELETE FROM replicas WHERE content_id = ?", [content_id])
+            self.db.execute("DELETE FROM contents WHERE content_id = ?", [content_id])
+
+    def _expire(self, now: float) -> None:
+        expired = self.db.execute(
+            "SELECT art_id, content_id FROM artifacts WHERE expires_at IS NOT NULL "
+            "AND expires_at <= ?",
+            [now],
+        ).fetchall()
+        for art_id, content_id in expired:
+            self.db.execute("DELETE FROM artifacts WHERE art_id = ?", [art_id])
+            self._drop_if_unreferenced(content_id)
+
+    def sweep(self, now: float) -> None:
+        with self._lock, self.db.conn:
+            self._expire(now)
+            dead_before = now - self.heartbeat_ttl_s
+            self.db.execute(
+                "DELETE FROM replicas WHERE worker_id IN "
+                "(SELECT worker_id FROM workers WHERE last_heartbeat < ?)",
+                [dead_before],
+            )
+            self.db.execute(
+                "DELETE FROM workers WHERE last_heartbeat < ?", [now - DEAD_WORKER_RETENTION_S]
+            )
+            self.db.execute(
+                "DELETE FROM replicas WHERE content_id IN (SELECT content_id FROM contents c "
+                "WHERE created_at < ? AND NOT EXISTS "
+                "(SELECT 1 FROM artifacts a WHERE a.content_id = c.content_id))",
+                [now - UNREFERENCED_GRACE_S],
+            )
+            self.db.execute(
+                "DELETE FROM contents WHERE created_at < ? AND NOT EXISTS "
+                "(SELECT 1 FROM artifacts a WHERE a.content_id = contents.content_id)",
+                [now - UNREFERENCED_GRACE_S],
+            )
+
+    def counts(self) -> tuple[int, int]:
+        with self._lock:
+            return self.db["artifacts"].count, self.db["contents"].count

@@ -1,0 +1,44 @@
+"""Python face of the C++ core (`tensorcast._native`): C++ failures become TensorcastError here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tensorcast import _native  # type: ignore[attr-defined]
+from tensorcast.errors import InvalidArgument, TensorcastError
+
+TREE_HASH_CHUNK_BYTES: int = _native.TREE_HASH_CHUNK_BYTES
+
+
+def hash_buffer(buf: Any, threads: int = 0) -> str:
+    """Tree hash v1 (XXH3-128 over 4 MiB chunks, then over the chunk digests), hex."""
+    return bytes(_native.hash_buffer(buf, threads)).hex()
+
+
+def hash_buffers(bufs: Sequence[Any], threads: int = 0) -> list[str]:
+    """Hash many buffers in one pass over all their chunks (fast for many small tensors)."""
+    return [bytes(h).hex() for h in _native.hash_buffers(list(bufs), threads)]
+
+
+def read_file_into(
+    path: str | os.PathLike[str],
+    file_offset: int,
+    length: int,
+    dest: Any,
+    dest_offset: int,
+    threads: int = 0,
+) -> None:
+    """Parallel positional reads of a file range straight into `dest` (a writable buffer)."""
+    try:
+        _native.read_file_into(os.fspath(path), file_offset, length, dest, dest_offset, threads)
+    except _native.ShortFileError as e:
+        raise InvalidArgument(f"file shorter than declared: {e}") from None
+    except _native.IoError as e:
+        raise TensorcastError(f"read failed: {e}") from None
+
+
+def copy_into(dest: Any, dest_offset: int, source: Any, threads: int = 0) -> None:
+    """memcpy split across threads, GIL released."""
+    _native.copy_into(dest, dest_offset, source, threads)

@@ -1,0 +1,153 @@
+"""Core value types shared by every layer: plain dataclasses, no torch, no protobuf."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# safetensors dtype name -> bytes per element. The names are the wire format's.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+
+# Tensors inside a pool region start at this alignment (cache line; any dtype's itemsize divides it).
+TENSOR_ALIGN_BYTES = 64
+
+OWNER_SYSTEM = "system"
+OWNER_LEASE = "lease"
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of an artifact. `offset_bytes` is its position inside the artifact's region."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    size_bytes: int
+    offset_bytes: int = 0
+    hash_hex: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "size_bytes": self.size_bytes,
+            "offset_bytes": self.offset_bytes,
+            "hash": self.hash_hex,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> TensorMeta:
+        return cls(
+            name=data["name"],
+            dtype=data["dtype"],
+            shape=tuple(data["shape"]),
+            size_bytes=data["size_bytes"],
+            offset_bytes=data["offset_bytes"],
+            hash_hex=data.get("hash", ""),
+        )
+
+
+def pack_layout(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[TensorMeta], int]:
+    """Place tensors one after another at aligned offsets; returns metas and the region size."""
+    metas = []
+    offset = 0
+    for name, dtype, shape in specs:
+        size_bytes = tensor_nbytes(dtype, shape)
+        metas.append(TensorMeta(name, dtype, shape, size_bytes, offset))
+        offset = align_up(offset + size_bytes, TENSOR_ALIGN_BYTES)
+    return metas, offset
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    worker_id: str
+    tier: str = "cpu"
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    """What the Global Store knows about an artifact."""
+
+    art_id: str
+    content_id: str
+    owner: str
+    size_bytes: int
+    tensors: tuple[TensorMeta, ...]
+    created_at: float
+    expires_at: float | None = None
+    parent: str = ""
+    replicas: tuple[ReplicaInfo, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        return {
+            "art_id": self.art_id,
+            "content_id": self.content_id,
+            "owner": self.owner,
+            "size_bytes": self.size_bytes,
+            "num_tensors": len(self.tensors),
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "parent": self.parent or None,
+            "replicas": [{"worker_id": r.worker_id, "tier": r.tier} for r in self.replicas],
+        }
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker as registered in the Global Store, with liveness computed by the store."""
+
+    worker_id: str
+    name: str
+    addr: str
+    host_id: str
+    local_socket: str
+    roles: tuple[str, ...]
+    mem_cap_bytes: int
+    mem_used_bytes: int
+    pid: int
+    registered_at: float
+    heartbeat_age_s: float
+    alive: bool
+
+    def to_json(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "name": self.name,
+            "addr": self.addr,
+            "host_id": self.host_id,
+            "roles": list(self.roles),
+            "mem_cap_bytes": self.mem_cap_bytes,
+            "mem_used_bytes": self.mem_used_bytes,
+            "pid": self.pid,
+            "heartbeat_age_s": round(self.heartbeat_age_s, 3),
+            "alive": self.alive,
+        }

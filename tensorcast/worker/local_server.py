@@ -1,0 +1,151 @@
+"""Same-host callers talk to the worker over a Unix socket that hands them the pool's memfd.
+
+The connection is the lease: holds (mapped contents) and reservations (regions being written)
+belong to it and are released when it closes, so a crashed caller leaks nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+from typing import Any
+
+from tensorcast.errors import InvalidArgument, TensorcastError, Unauthenticated
+from tensorcast.transport.unix import recv_message, send_message, socket_address
+from tensorcast.types import TensorMeta
+from tensorcast.worker.node import WorkerNode
+from tensorcast.worker.pool import Content
+
+log = logging.getLogger("tensorcast.worker.local")
+
+MAX_CONNECTIONS = 256
+
+
+class LocalServer:
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(socket_address(node.local_socket))
+        self.sock.listen(64)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._closed = False
+
+    def serve_forever(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                log.warning("refusing a local connection: %d open", MAX_CONNECTIONS)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, name="local-server", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self._closed = True
+        self.sock.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        session = _Session(self.node)
+        try:
+            message, _ = recv_message(conn)
+            if message.get("op") != "hello" or not hmac.compare_digest(
+                str(message.get("token", "")).encode(), self.node.token.encode()
+            ):
+                send_message(conn, _error(Unauthenticated("missing or wrong cluster token")))
+                return
+            send_message(
+                conn,
+                {"ok": True, "worker_id": self.node.worker_id,
+                 "arena_bytes": self.node.pool.capacity_bytes},
+                fds=(self.node.pool.fd,),
+            )
+            while True:
+                message, _ = recv_message(conn)
+                try:
+                    reply = session.handle(message)
+                except TensorcastError as e:
+                    reply = _error(e)
+                except (KeyError, TypeError, ValueError) as e:
+                    reply = _error(InvalidArgument(f"malformed local request: {e!r}"))
+                send_message(conn, reply)
+        except (ConnectionError, OSError, ValueError):
+            pass
+        finally:
+            session.close()
+            conn.close()
+            self._slots.release()
+
+
+def _error(e: TensorcastError) -> dict[str, Any]:
+    return {"ok": False, "error": type(e).__name__, "message": str(e)}
+
+
+class _Session:
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+        self.holds: dict[int, Content] = {}
+        self.reservations: set[int] = set()
+        self._next_hold = 1
+
+    def handle(self, m: dict[str, Any]) -> dict[str, Any]:
+        op = m.get("op")
+        pool = self.node.pool
+        if op == "open":
+            content = pool.hold(str(m["content_id"]))
+            hold_id = self._next_hold
+            self._next_hold += 1
+            self.holds[hold_id] = content
+            return {
+                "ok": True,
+                "hold_id": hold_id,
+                "offset": content.offset,
+                "size_bytes": content.size_bytes,
+                "tensors": [t.to_json() for t in content.tensors],
+            }
+        if op == "release":
+            content = self.holds.pop(int(m["hold_id"]), None)
+            if content is not None:
+                pool.release(content)
+            return {"ok": True}
+        if op == "reserve":
+            res = pool.reserve(int(m["size_bytes"]))
+            self.reservations.add(res.reservation_id)
+            return {"ok": True, "reservation_id": res.reservation_id, "offset": res.offset}
+        if op == "commit":
+            reservation_id = int(m["reservation_id"])
+            if reservation_id not in self.reservations:
+                raise InvalidArgument(f"reservation {reservation_id} is not this connection's")
+            self.reservations.discard(reservation_id)
+            tensors = [TensorMeta.from_json(t) for t in m["tensors"]]
+            committed = self.node.commit(reservation_id, tensors, bool(m.get("verify")))
+            return {
+                "ok": True,
+                "content_id": committed.content_id,
+                "size_bytes": committed.size_bytes,
+                "tensors": [t.to_json() for t in committed.tensors],
+                "deduplicated": committed.deduplicated,
+            }
+        if op == "abort":
+            reservation_id = int(m["reservation_id"])
+            if reservation_id in self.reservations:
+                self.reservations.discard(reservation_id)
+                pool.abort(reservation_id)
+            return {"ok": True}
+        raise InvalidArgument(f"unknown local operation {op!r}")
+
+    def close(self) -> None:
+        for content in self.holds.values():
+            self.node.pool.release(content)
+        for reservation_id in self.reservations:
+            self.node.pool.abort(reservation_id)
+        self.holds.clear()
+        self.reservations.clear()

@@ -1,0 +1,79 @@
+"""Runs a worker process: pool, gRPC service, local socket, registration and heartbeats."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+
+import psutil
+
+from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
+from tensorcast.rpc.server import bind, make_server
+from tensorcast.worker.local_server import LocalServer
+from tensorcast.worker.node import ROLES, WorkerNode
+from tensorcast.worker.pool import Pool
+from tensorcast.worker.service import WorkerService
+
+log = logging.getLogger("tensorcast.worker")
+
+
+def parse_roles(text: str) -> tuple[str, ...]:
+    roles = tuple(r.strip() for r in text.split(",") if r.strip())
+    bad = [r for r in roles if r not in ROLES]
+    if bad or not roles:
+        raise InvalidArgument(f"bad roles {text!r}: choose from {', '.join(ROLES)}")
+    return roles
+
+
+def advertised(addr: str) -> str:
+    host, _, port = addr.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
+
+
+def serve(
+    store_addr: str,
+    listen: str,
+    token: str,
+    mem_bytes: int,
+    roles: tuple[str, ...],
+    name: str,
+    heartbeat_interval_s: float,
+    rpc_timeout_s: float,
+    on_ready=None,
+    stop_event: threading.Event | None = None,
+) -> None:
+    available = psutil.virtual_memory().available
+    if mem_bytes > available:
+        raise ResourceExhausted(
+            f"--mem {mem_bytes} bytes exceeds the {available} bytes of memory available"
+        )
+    pool = Pool(mem_bytes)
+    node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s)
+    server = make_server(token)
+    pb_grpc.add_WorkerServiceServicer_to_server(WorkerService(node), server)
+    node.addr = advertised(bind(server, listen))
+    server.start()
+    local = LocalServer(node)
+    local.start()
+    node.register()
+    node.start_heartbeats(heartbeat_interval_s)
+    stop = stop_event or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    log.info(
+        "worker %s (%s) listening on %s, pool %d bytes, roles %s, store %s",
+        node.name, node.worker_id, node.addr, pool.capacity_bytes, ",".join(roles), store_addr,
+    )
+    if on_ready:
+        on_ready(node)
+    stop.wait()
+    log.info("worker %s stopping", node.name)
+    local.close()
+    node.stop()
+    server.stop(grace=2).wait(5)

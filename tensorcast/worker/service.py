@@ -1,0 +1,117 @@
+"""gRPC face of a worker: status, views, and chunked reads/writes for callers on other hosts."""
+
+from __future__ import annotations
+
+from tensorcast.config import STREAM_CHUNK_BYTES
+from tensorcast.errors import IntegrityError, InvalidArgument
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
+from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
+from tensorcast.transport import native
+from tensorcast.worker.node import Committed, WorkerNode
+from tensorcast.worker.slicing import DimSlice, copy_slices, plan_view
+
+
+def _commit_reply(c: Committed) -> pb.CommitReply:
+    return pb.CommitReply(
+        content_id=c.content_id,
+        size_bytes=c.size_bytes,
+        tensors=[tensor_to_pb(t) for t in c.tensors],
+        deduplicated=c.deduplicated,
+    )
+
+
+class WorkerService(pb_grpc.WorkerServiceServicer):
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+
+    def Status(self, request, context):
+        stats = self.node.pool.stats()
+        return pb.WorkerStatus(
+            worker=pb.Worker(
+                worker_id=self.node.worker_id,
+                name=self.node.name,
+                addr=self.node.addr,
+                host_id=self.node.host_id,
+                local_socket=self.node.local_socket,
+                roles=list(self.node.roles),
+                mem_cap_bytes=stats.capacity_bytes,
+                mem_used_bytes=stats.used_bytes,
+                alive=True,
+            ),
+            num_contents=stats.num_contents,
+            num_holds=stats.num_holds,
+        )
+
+    def View(self, request, context):
+        pool = self.node.pool
+        source = pool.hold(request.content_id)
+        try:
+            slices = {
+                s.tensor: [DimSlice(a, b, c) for a, b, c in zip(s.start, s.stop, s.step)]
+                for s in request.slices
+            }
+            if len(slices) != len(request.slices):
+                raise InvalidArgument("a tensor is sliced twice in one view")
+            targets = plan_view(source.tensors, slices)
+            size = max((t.offset_bytes + t.size_bytes for t in targets), default=0)
+            res = pool.reserve(size)
+            try:
+                copy_slices(
+                    pool.region(source.offset, source.size_bytes),
+                    source.tensors,
+                    pool.region(res.offset, res.size_bytes),
+                    targets,
+                    slices,
+                )
+            except BaseException:
+                pool.abort(res.reservation_id)
+                raise
+            return _commit_reply(self.node.commit(res.reservation_id, targets))
+        finally:
+            pool.release(source)
+
+    def ReadChunks(self, request, context):
+        pool = self.node.pool
+        content = pool.hold(request.content_id)
+        try:
+            end = request.offset_bytes + request.length_bytes
+            if end > content.size_bytes:
+                raise InvalidArgument(
+                    f"read of [{request.offset_bytes}, {end}) beyond the {content.size_bytes}-byte content"
+                )
+            region = pool.region(content.offset, content.size_bytes)
+            for start in range(request.offset_bytes, end, STREAM_CHUNK_BYTES):
+                data = bytes(region[start : min(end, start + STREAM_CHUNK_BYTES)])
+                yield pb.Chunk(offset_bytes=start, data=data, hash=native.hash_buffer(data))
+        finally:
+            pool.release(content)
+
+    def WriteChunks(self, request_iterator, context):
+        pool = self.node.pool
+        first = next(request_iterator, None)
+        if first is None:
+            raise InvalidArgument("a write starts with the layout message")
+        res = pool.reserve(first.size_bytes)
+        try:
+            region = pool.region(res.offset, res.size_bytes)
+            written = 0
+            for message in request_iterator:
+                chunk = message.chunk
+                end = chunk.offset_bytes + len(chunk.data)
+                if end > res.size_bytes:
+                    raise InvalidArgument(f"chunk [{chunk.offset_bytes}, {end}) beyond the region")
+                if native.hash_buffer(chunk.data) != chunk.hash:
+                    raise IntegrityError(f"chunk at {chunk.offset_bytes} failed its checksum")
+                region[chunk.offset_bytes : end] = chunk.data
+                written += len(chunk.data)
+            if written != first.size_bytes:
+                raise InvalidArgument(
+                    f"write ended after {written} of {first.size_bytes} bytes; nothing stored"
+                )
+        except BaseException:
+            pool.abort(res.reservation_id)
+            raise
+        tensors = list(tensors_from_pb(first.tensors))
+        verify = all(t.hash_hex for t in tensors)
+        return _commit_reply(self.node.commit(res.reservation_id, tensors, verify))
