@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerate tensorcast/proto/*_pb2*.py from tensorcast.proto; `--check` fails when they are stale."""
+"""Regenerate tensorcast/proto/*_pb2*.py from tensorcast.proto.
+
+`--check` fails when the checked-in files are stale.
+"""
 
 from __future__ import annotations
 

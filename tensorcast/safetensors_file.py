@@ -97,9 +97,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
             raise bad(f"tensor {t.name!r} at byte {t.begin} {kind} (expected {position})")
         position = t.end
     if position > data_size:
-        raise bad(
-            f"tensors need {position} data bytes but the file has {data_size} (truncated?)"
-        )
+        raise bad(f"tensors need {position} data bytes but the file has {data_size} (truncated?)")
     if position < data_size:
         raise bad(f"{data_size - position} trailing bytes after the last tensor")
     return SafetensorsHeader(path, data_offset, data_size, tuple(tensors), metadata)
@@ -113,9 +111,7 @@ def _parse_entry(name: str, entry: object, bad) -> FileTensor:
     offsets = entry.get("data_offsets")
     if dtype not in DTYPE_ITEMSIZE:
         raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        type(d) is int and d >= 0 for d in shape
-    ):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"tensor {name!r} has a bad shape {shape!r}")
     if (
         not isinstance(offsets, list)

@@ -39,7 +39,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise InvalidArgument(f"dtype {dtype} cannot be stored (no safetensors equivalent)") from None
+        raise InvalidArgument(
+            f"dtype {dtype} cannot be stored (no safetensors equivalent)"
+        ) from None
 
 
 def check_tensors(tensors: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -62,7 +64,9 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-def tensors_over(buffer: Any, base_offset: int, metas: tuple[TensorMeta, ...]) -> dict[str, torch.Tensor]:
+def tensors_over(
+    buffer: Any, base_offset: int, metas: tuple[TensorMeta, ...]
+) -> dict[str, torch.Tensor]:
     """Tensors sharing `buffer`'s memory: no copy. The tensors keep the buffer alive."""
     out = {}
     for m in metas:
@@ -71,7 +75,9 @@ def tensors_over(buffer: Any, base_offset: int, metas: tuple[TensorMeta, ...]) -
             out[m.name] = torch.empty(m.shape, dtype=dtype)
             continue
         flat = torch.frombuffer(
-            buffer, dtype=dtype, count=m.size_bytes // dtype.itemsize,
+            buffer,
+            dtype=dtype,
+            count=m.size_bytes // dtype.itemsize,
             offset=base_offset + m.offset_bytes,
         )
         out[m.name] = flat.view(m.shape)

@@ -28,7 +28,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "C64": 8,
 }
 
-# Tensors inside a pool region start at this alignment (cache line; any dtype's itemsize divides it).
+# Tensors in a pool region start at this alignment (a cache line; every itemsize divides it).
 TENSOR_ALIGN_BYTES = 64
 
 OWNER_SYSTEM = "system"
@@ -85,6 +85,16 @@ def pack_layout(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[Ten
         metas.append(TensorMeta(name, dtype, shape, size_bytes, offset))
         offset = align_up(offset + size_bytes, TENSOR_ALIGN_BYTES)
     return metas, offset
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Content a worker accepted: its identity and layout (`deduplicated`: it existed already)."""
+
+    content_id: str
+    size_bytes: int
+    tensors: tuple[TensorMeta, ...]
+    deduplicated: bool
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,27 @@ if TYPE_CHECKING:
 
 StateDirOpt = Annotated[
     Path | None,
-    typer.Option("--state-dir", help="Local cluster state dir [env TC_STATE_DIR; default "
-                 "~/.local/state/tensorcast].", show_default=False),
+    typer.Option(
+        "--state-dir",
+        help="Local cluster state dir [env TC_STATE_DIR; default ~/.local/state/tensorcast].",
+        show_default=False,
+    ),
 ]
 AddrOpt = Annotated[
     str | None,
-    typer.Option("--addr", help="Global Store HOST:PORT of another cluster [env TC_ADDR].",
-                 show_default=False),
+    typer.Option(
+        "--addr",
+        help="Global Store HOST:PORT of another cluster [env TC_ADDR].",
+        show_default=False,
+    ),
 ]
 TokenOpt = Annotated[
     str | None,
-    typer.Option("--token", help="Cluster token [env TC_TOKEN; default: the state dir's].",
-                 show_default=False),
+    typer.Option(
+        "--token",
+        help="Cluster token [env TC_TOKEN; default: the state dir's].",
+        show_default=False,
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for scripts.")]
 
@@ -65,7 +74,9 @@ def write_ready_file(path: Path | None, data: dict) -> None:
 
 def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]
+    ]
     return "\n".join(lines)
 
 
@@ -75,14 +86,22 @@ def progress_bar(total_bytes: int, description: str, enabled: bool):
 
     if not enabled or total_bytes < 64 * 1024 * 1024 or not sys.stderr.isatty():
         return nullcontext(None)
-    from rich.progress import (
-        BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn,
-    )
     from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     bar = Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
         transient=True,
     )
 

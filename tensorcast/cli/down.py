@@ -14,6 +14,7 @@ def command(state_dir: StateDirOpt = None, as_json: JsonOpt = False) -> None:
     data = {"stopped": [{"role": p.role, "name": p.name, "pid": p.pid} for p in stopped]}
     human = (
         "\n".join(f"stopped {p.name} (pid {p.pid})" for p in stopped)
-        if stopped else "no local cluster running"
+        if stopped
+        else "no local cluster running"
     )
     emit(as_json, data, human)

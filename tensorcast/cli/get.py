@@ -8,7 +8,13 @@ from typing import Annotated
 import typer
 
 from tensorcast.cli.common import (
-    AddrOpt, JsonOpt, StateDirOpt, TokenOpt, connect, emit, progress_bar,
+    AddrOpt,
+    JsonOpt,
+    StateDirOpt,
+    TokenOpt,
+    connect,
+    emit,
+    progress_bar,
 )
 
 NAME = "get"
@@ -17,7 +23,9 @@ NAME = "get"
 def command(
     art_id: Annotated[str, typer.Argument(help="Artifact id.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Destination .safetensors file.")],
-    state_dir: StateDirOpt = None, addr: AddrOpt = None, token: TokenOpt = None,
+    state_dir: StateDirOpt = None,
+    addr: AddrOpt = None,
+    token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     import os
@@ -34,8 +42,10 @@ def command(
         metas = sorted(art.info.tensors, key=lambda t: t.offset_bytes)
         tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
         try:
-            with progress_bar(art.size_bytes, f"get {art_id}", not as_json) as advance, \
-                    open(tmp, "wb") as f:
+            with (
+                progress_bar(art.size_bytes, f"get {art_id}", not as_json) as advance,
+                open(tmp, "wb") as f,
+            ):
                 f.write(encode_header([(t.name, t.dtype, t.shape, t.size_bytes) for t in metas]))
                 for t in metas:
                     f.write(tensor_bytes(tensors[t.name]).data)
@@ -47,6 +57,13 @@ def command(
         finally:
             tmp.unlink(missing_ok=True)
         elapsed = time.perf_counter() - started
-    emit(as_json, {"art_id": art_id, "output": str(output), "size_bytes": art.size_bytes,
-                   "elapsed_s": round(elapsed, 4)},
-         f"wrote {art_id} to {output} ({format_size(art.size_bytes)}, {elapsed:.2f}s)")
+    emit(
+        as_json,
+        {
+            "art_id": art_id,
+            "output": str(output),
+            "size_bytes": art.size_bytes,
+            "elapsed_s": round(elapsed, 4),
+        },
+        f"wrote {art_id} to {output} ({format_size(art.size_bytes)}, {elapsed:.2f}s)",
+    )

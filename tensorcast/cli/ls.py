@@ -13,7 +13,9 @@ NAME = "ls"
 
 def command(
     prefix: Annotated[str, typer.Argument(help="Only ids starting with this.")] = "",
-    state_dir: StateDirOpt = None, addr: AddrOpt = None, token: TokenOpt = None,
+    state_dir: StateDirOpt = None,
+    addr: AddrOpt = None,
+    token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     import time
@@ -24,10 +26,19 @@ def command(
         infos = rt.list_artifacts(prefix)
     now = time.time()
     rows = [
-        [a.art_id, format_size(a.size_bytes), str(len(a.tensors)), a.owner,
-         f"{a.expires_at - now:.0f}s" if a.expires_at else "-", str(len(a.replicas)),
-         a.content_id[:15]]
+        [
+            a.art_id,
+            format_size(a.size_bytes),
+            str(len(a.tensors)),
+            a.owner,
+            f"{a.expires_at - now:.0f}s" if a.expires_at else "-",
+            str(len(a.replicas)),
+            a.content_id[:15],
+        ]
         for a in infos
     ]
-    emit(as_json, {"artifacts": [a.to_json() for a in infos]},
-         table(rows, ["ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "CONTENT"]))
+    emit(
+        as_json,
+        {"artifacts": [a.to_json() for a in infos]},
+        table(rows, ["ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "CONTENT"]),
+    )

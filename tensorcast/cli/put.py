@@ -12,7 +12,13 @@ from typing import Annotated
 import typer
 
 from tensorcast.cli.common import (
-    AddrOpt, JsonOpt, StateDirOpt, TokenOpt, connect, emit, progress_bar,
+    AddrOpt,
+    JsonOpt,
+    StateDirOpt,
+    TokenOpt,
+    connect,
+    emit,
+    progress_bar,
 )
 
 NAME = "put"
@@ -21,9 +27,17 @@ NAME = "put"
 def command(
     art_id: Annotated[str, typer.Argument(help="Artifact id, e.g. llama-8b@v1.")],
     path: Annotated[Path, typer.Argument(help="A .safetensors file or a directory of them.")],
-    ttl: Annotated[float | None, typer.Option("--ttl", help="Caller-leased: expire after this many seconds unless renewed.",
-                                              show_default=False)] = None,
-    state_dir: StateDirOpt = None, addr: AddrOpt = None, token: TokenOpt = None,
+    ttl: Annotated[
+        float | None,
+        typer.Option(
+            "--ttl",
+            help="Caller-leased: expire after this many seconds unless renewed.",
+            show_default=False,
+        ),
+    ] = None,
+    state_dir: StateDirOpt = None,
+    addr: AddrOpt = None,
+    token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     import time
@@ -43,6 +57,9 @@ def command(
     info = art.info
     data = {**info.to_json(), "elapsed_s": round(elapsed, 4)}
     rate = info.size_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
-    emit(as_json, data,
-         f"put {info.art_id}: {len(info.tensors)} tensors, {format_size(info.size_bytes)} "
-         f"in {elapsed:.2f}s ({rate:.2f} GB/s), content {info.content_id}")
+    emit(
+        as_json,
+        data,
+        f"put {info.art_id}: {len(info.tensors)} tensors, {format_size(info.size_bytes)} "
+        f"in {elapsed:.2f}s ({rate:.2f} GB/s), content {info.content_id}",
+    )

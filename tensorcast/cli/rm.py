@@ -13,7 +13,9 @@ NAME = "rm"
 
 def command(
     art_id: Annotated[str, typer.Argument(help="Artifact id.")],
-    state_dir: StateDirOpt = None, addr: AddrOpt = None, token: TokenOpt = None,
+    state_dir: StateDirOpt = None,
+    addr: AddrOpt = None,
+    token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     with connect(state_dir, addr, token) as rt:

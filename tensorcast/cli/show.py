@@ -13,7 +13,9 @@ NAME = "show"
 
 def command(
     art_id: Annotated[str, typer.Argument(help="Artifact id.")],
-    state_dir: StateDirOpt = None, addr: AddrOpt = None, token: TokenOpt = None,
+    state_dir: StateDirOpt = None,
+    addr: AddrOpt = None,
+    token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from tensorcast.config import format_size
@@ -25,12 +27,20 @@ def command(
     head = [
         f"artifact  {info.art_id}",
         f"content   {info.content_id}",
-        f"owner     {info.owner}" + (f" (expires at {info.expires_at:.0f})" if info.expires_at else ""),
+        f"owner     {info.owner}"
+        + (f" (expires at {info.expires_at:.0f})" if info.expires_at else ""),
         f"size      {format_size(info.size_bytes)} in {len(info.tensors)} tensors",
-        "replicas  " + (", ".join(names.get(r.worker_id, r.worker_id) for r in info.replicas) or "none live"),
+        "replicas  "
+        + (", ".join(names.get(r.worker_id, r.worker_id) for r in info.replicas) or "none live"),
     ]
     if info.parent:
         head.append(f"parent    {info.parent}")
-    rows = [[t.name, t.dtype, "x".join(map(str, t.shape)) or "()", str(t.size_bytes), t.hash_hex[:16]]
-            for t in info.tensors]
-    emit(as_json, data, "\n".join(head) + "\n\n" + table(rows, ["TENSOR", "DTYPE", "SHAPE", "BYTES", "HASH"]))
+    rows = [
+        [t.name, t.dtype, "x".join(map(str, t.shape)) or "()", str(t.size_bytes), t.hash_hex[:16]]
+        for t in info.tensors
+    ]
+    emit(
+        as_json,
+        data,
+        "\n".join(head) + "\n\n" + table(rows, ["TENSOR", "DTYPE", "SHAPE", "BYTES", "HASH"]),
+    )

@@ -15,13 +15,21 @@ app = typer.Typer(help="Run the Global Store (control-plane metadata).", no_args
 
 @app.command("start")
 def start(
-    db: Annotated[Path | None, typer.Option("--db", help="sqlite file [default: STATE_DIR/store.db].",
-                                            show_default=False)] = None,
-    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to serve on (port 0: any).")] = "127.0.0.1:7400",
+    db: Annotated[
+        Path | None,
+        typer.Option("--db", help="sqlite file [default: STATE_DIR/store.db].", show_default=False),
+    ] = None,
+    listen: Annotated[
+        str, typer.Option("--listen", help="HOST:PORT to serve on (port 0: any).")
+    ] = "127.0.0.1:7400",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
-    ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Write {addr, pid} here once serving.",
-                                                    show_default=False)] = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--ready-file", help="Write {addr, pid} here once serving.", show_default=False
+        ),
+    ] = None,
 ) -> None:
     """Serve the Global Store until SIGTERM/SIGINT. Without a token (flag, TC_TOKEN, state dir)
     one is generated and saved to the state dir's `token` file (mode 0600)."""
@@ -41,6 +49,9 @@ def start(
         write_token(directory, token)
         typer.echo(f"generated a cluster token in {directory / 'token'}", err=True)
     serve(
-        db or directory / "store.db", listen, token, timing().heartbeat_ttl_s,
+        db or directory / "store.db",
+        listen,
+        token,
+        timing().heartbeat_ttl_s,
         on_ready=lambda addr: write_ready_file(ready_file, {"addr": addr, "pid": os.getpid()}),
     )

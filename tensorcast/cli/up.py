@@ -16,9 +16,12 @@ NAME = "up"
 
 
 def command(
-    workers: Annotated[int, typer.Option("--workers", "-n", min=1, max=64,
-                                         help="Number of workers.")] = 1,
-    mem: Annotated[str, typer.Option("--mem", help="Pool size per worker, e.g. 2GiB.")] = DEFAULT_WORKER_MEM,
+    workers: Annotated[
+        int, typer.Option("--workers", "-n", min=1, max=64, help="Number of workers.")
+    ] = 1,
+    mem: Annotated[
+        str, typer.Option("--mem", help="Pool size per worker, e.g. 2GiB.")
+    ] = DEFAULT_WORKER_MEM,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -32,8 +35,10 @@ def command(
         "already_running": result.already_running,
         "state_dir": str(result.state_dir),
         "store_addr": r.store_addr,
-        "processes": [{"role": p.role, "name": p.name, "pid": p.pid, "addr": p.addr,
-                       "log": p.log} for p in r.processes],
+        "processes": [
+            {"role": p.role, "name": p.name, "pid": p.pid, "addr": p.addr, "log": p.log}
+            for p in r.processes
+        ],
     }
     verb = "already running" if result.already_running else "started"
     lines = [f"cluster {verb}: store {r.store_addr}, state dir {result.state_dir}"]

@@ -17,14 +17,26 @@ app = typer.Typer(help="Run a worker (holds a slice of the tensor pool).", no_ar
 @app.command("start")
 def start(
     store: Annotated[str, typer.Option("--store", help="Global Store HOST:PORT.")],
-    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT for the worker's gRPC service.")] = "127.0.0.1:0",
-    mem: Annotated[str, typer.Option("--mem", help="Pool size (allocated and pre-faulted at start).")] = DEFAULT_WORKER_MEM,
-    roles: Annotated[str, typer.Option("--roles", help="Comma list of basic, gateway, shard-home.")] = "basic,gateway,shard-home",
+    listen: Annotated[
+        str, typer.Option("--listen", help="HOST:PORT for the worker's gRPC service.")
+    ] = "127.0.0.1:0",
+    mem: Annotated[
+        str, typer.Option("--mem", help="Pool size (allocated and pre-faulted at start).")
+    ] = DEFAULT_WORKER_MEM,
+    roles: Annotated[
+        str, typer.Option("--roles", help="Comma list of basic, gateway, shard-home.")
+    ] = "basic,gateway,shard-home",
     name: Annotated[str, typer.Option("--name", help="Name shown in tc status.")] = "",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
-    ready_file: Annotated[Path | None, typer.Option("--ready-file", help="Write {addr, pid, worker_id} here once serving.",
-                                                    show_default=False)] = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--ready-file",
+            help="Write {addr, pid, worker_id} here once serving.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve a worker until SIGTERM/SIGINT: a shared-memory pool of --mem bytes with a hard cap,
     registered with the Global Store and heartbeating."""
@@ -45,7 +57,15 @@ def start(
         raise InvalidArgument("no cluster token: pass --token or set TC_TOKEN")
     t = timing()
     serve(
-        store, listen, token, mem_bytes, role_list, name, t.heartbeat_interval_s, t.rpc_timeout_s,
+        store,
+        listen,
+        token,
+        mem_bytes,
+        role_list,
+        name,
+        t.heartbeat_interval_s,
+        t.rpc_timeout_s,
         on_ready=lambda node: write_ready_file(
-            ready_file, {"addr": node.addr, "pid": os.getpid(), "worker_id": node.worker_id}),
+            ready_file, {"addr": node.addr, "pid": os.getpid(), "worker_id": node.worker_id}
+        ),
     )

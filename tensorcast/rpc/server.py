@@ -1,4 +1,4 @@
-"""Server side: one interceptor checks the cluster token and turns TensorcastError into gRPC status."""
+"""Server side: one interceptor checks the cluster token and maps TensorcastError to a status."""
 
 from __future__ import annotations
 

@@ -110,8 +110,9 @@ class Artifact:
             except (NotFound, Unavailable) as e:
                 last = e
                 continue
-            return self.runtime._name(name, reply.content_id, info.owner,
-                                      _remaining_ttl(info), self.art_id)
+            return self.runtime._name(
+                name, reply.content_id, info.owner, _remaining_ttl(info), self.art_id
+            )
         assert last is not None
         raise last
 
@@ -128,9 +129,7 @@ def _remaining_ttl(info: ArtifactInfo) -> float:
 
 
 def _slice_spec(tensor: str, shape: tuple[int, ...], index: SliceLike) -> pb.SliceSpec:
-    if isinstance(index, (slice, int)):
-        index = [index]
-    dims = list(index)
+    dims: list[slice | int] = [index] if isinstance(index, (slice, int)) else list(index)
     if len(dims) > len(shape):
         raise InvalidArgument(f"{tensor!r} has {len(shape)} dims, got {len(dims)} indices")
     spec = pb.SliceSpec(tensor=tensor)

@@ -26,7 +26,9 @@ class ComponentHealth:
             "name": self.name,
             "addr": self.addr,
             "state": self.state,
-            "heartbeat_age_s": None if self.heartbeat_age_s is None else round(self.heartbeat_age_s, 3),
+            "heartbeat_age_s": None
+            if self.heartbeat_age_s is None
+            else round(self.heartbeat_age_s, 3),
             "detail": self.detail,
         }
 
@@ -35,22 +37,39 @@ def cluster_health(rt: Runtime) -> list[ComponentHealth]:
     status = rt.store_status()
     out = [
         ComponentHealth(
-            "store", "store", rt.store_addr, "healthy", None,
+            "store",
+            "store",
+            rt.store_addr,
+            "healthy",
+            None,
             f"schema v{status.schema_version}, {status.num_artifacts} artifacts, "
             f"up {status.uptime_s:.0f}s",
         )
     ]
     for w in rt.workers():
         if not w.alive:
-            out.append(ComponentHealth("worker", w.name, w.addr, "dead", w.heartbeat_age_s,
-                                       "missed heartbeats"))
+            out.append(
+                ComponentHealth(
+                    "worker", w.name, w.addr, "dead", w.heartbeat_age_s, "missed heartbeats"
+                )
+            )
             continue
         try:
             rt.worker_stub(w).call("Status", pb.Empty(), timeout_s=PING_TIMEOUT_S)
         except TensorcastError as e:
-            out.append(ComponentHealth("worker", w.name, w.addr, "unreachable", w.heartbeat_age_s, str(e)))
+            out.append(
+                ComponentHealth("worker", w.name, w.addr, "unreachable", w.heartbeat_age_s, str(e))
+            )
             continue
         used = w.mem_used_bytes / w.mem_cap_bytes if w.mem_cap_bytes else 0.0
-        out.append(ComponentHealth("worker", w.name, w.addr, "healthy", w.heartbeat_age_s,
-                                   f"pool {used:.0%} of {w.mem_cap_bytes} bytes"))
+        out.append(
+            ComponentHealth(
+                "worker",
+                w.name,
+                w.addr,
+                "healthy",
+                w.heartbeat_age_s,
+                f"pool {used:.0%} of {w.mem_cap_bytes} bytes",
+            )
+        )
     return out

@@ -72,8 +72,11 @@ class LocalConnection:
             mm = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED, offset=start)
         else:
             mm = mmap.mmap(
-                self.fd, length, flags=mmap.MAP_PRIVATE,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start,
+                self.fd,
+                length,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=start,
             )
         return mm, offset - start
 

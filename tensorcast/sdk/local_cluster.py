@@ -47,7 +47,10 @@ def _spawn(args: list[str], log: Path, token: str, ready: Path) -> subprocess.Po
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "tensorcast.cli.main", *args, "--ready-file", str(ready)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,  # survives the shell that ran `tc up`
         )
 
@@ -60,11 +63,11 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> dict:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace").splitlines()[-15:]
             raise TensorcastError(
-                f"{' '.join(proc.args[3:5])} exited with code {proc.returncode}:\n" + "\n".join(tail)
+                f"{log.stem} exited with code {proc.returncode}:\n" + "\n".join(tail)
             )
         time.sleep(0.05)
     proc.kill()
-    raise Unavailable(f"process did not become ready within {START_TIMEOUT_S:.0f}s; see {log}")
+    raise Unavailable(f"{log.stem} did not become ready within {START_TIMEOUT_S:.0f}s; see {log}")
 
 
 def _running(state_dir: Path) -> ClusterRecord | None:
@@ -98,9 +101,17 @@ def up(state_dir: Path, workers: int, mem: str, listen_host: str = "127.0.0.1") 
         try:
             log = state_dir / "logs" / "store.log"
             proc = _spawn(
-                ["store", "start", "--db", str(state_dir / "store.db"),
-                 "--listen", f"{listen_host}:0"],
-                log, token, state_dir / "run" / "store.json",
+                [
+                    "store",
+                    "start",
+                    "--db",
+                    str(state_dir / "store.db"),
+                    "--listen",
+                    f"{listen_host}:0",
+                ],
+                log,
+                token,
+                state_dir / "run" / "store.json",
             )
             started.append(proc)
             store_addr = _wait_ready(proc, state_dir / "run" / "store.json", log)["addr"]
@@ -112,15 +123,29 @@ def up(state_dir: Path, workers: int, mem: str, listen_host: str = "127.0.0.1") 
                 log = state_dir / "logs" / f"{name}.log"
                 ready = state_dir / "run" / f"{name}.json"
                 proc = _spawn(
-                    ["worker", "start", "--store", store_addr, "--listen", f"{listen_host}:0",
-                     "--mem", mem, "--name", name],
-                    log, token, ready,
+                    [
+                        "worker",
+                        "start",
+                        "--store",
+                        store_addr,
+                        "--listen",
+                        f"{listen_host}:0",
+                        "--mem",
+                        mem,
+                        "--name",
+                        name,
+                    ],
+                    log,
+                    token,
+                    ready,
                 )
                 started.append(proc)
                 pending.append((name, proc, ready, log))
             for name, proc, ready, log in pending:  # workers pre-fault their pools in parallel
                 info = _wait_ready(proc, ready, log)
-                record.processes.append(ProcessRecord("worker", name, proc.pid, info["addr"], str(log)))
+                record.processes.append(
+                    ProcessRecord("worker", name, proc.pid, info["addr"], str(log))
+                )
             record.save(state_dir)
             return UpResult(record, False, state_dir)
         except BaseException:
@@ -137,8 +162,10 @@ def down(state_dir: Path) -> list[ProcessRecord]:
             return []
         ordered = sorted(record.processes, key=lambda p: p.role == "store")
         stopped = []
-        for group in ([p for p in ordered if p.role == "worker"],
-                      [p for p in ordered if p.role == "store"]):
+        for group in (
+            [p for p in ordered if p.role == "worker"],
+            [p for p in ordered if p.role == "store"],
+        ):
             live = [p for p in group if _is_ours(p.pid)]
             for p in live:
                 os.kill(p.pid, signal.SIGTERM)

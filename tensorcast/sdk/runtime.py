@@ -91,8 +91,10 @@ class Runtime:
             if worker.worker_id not in self._worker_stubs:
                 channel = make_channel(worker.addr)
                 stub = Stub(
-                    pb_grpc.WorkerServiceStub(channel), f"worker {worker.name} ({worker.addr})",
-                    self.token, self.timeout_s,
+                    pb_grpc.WorkerServiceStub(channel),
+                    f"worker {worker.name} ({worker.addr})",
+                    self.token,
+                    self.timeout_s,
                 )
                 self._worker_stubs[worker.worker_id] = (channel, stub)
             return self._worker_stubs[worker.worker_id][1]
@@ -189,7 +191,9 @@ class Runtime:
         owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
         return self._name(art_id, committed.content_id, owner, ttl_s or 0.0, "")
 
-    def _name(self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str) -> Artifact:
+    def _name(
+        self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str
+    ) -> Artifact:
         from tensorcast.sdk.artifact import Artifact
 
         reply = self.store.call(
@@ -244,7 +248,11 @@ class Runtime:
         return sorted(holders, key=lambda w: (not self.is_local(w), w.mem_used_bytes))
 
     def stream_read(
-        self, worker: WorkerInfo, content_id: str, size_bytes: int, into: Any,
+        self,
+        worker: WorkerInfo,
+        content_id: str,
+        size_bytes: int,
+        into: Any,
         progress: Progress | None = None,
     ) -> None:
         """Pull a content from a remote worker into `into` (a writable buffer), chunk-verified."""
@@ -262,7 +270,11 @@ class Runtime:
                 progress(len(chunk.data))
 
     def stream_write(
-        self, worker: WorkerInfo, metas: list[TensorMeta], size_bytes: int, chunks: Iterator[tuple[int, bytes]]
+        self,
+        worker: WorkerInfo,
+        metas: list[TensorMeta],
+        size_bytes: int,
+        chunks: Iterator[tuple[int, bytes]],
     ) -> pb.CommitReply:
         from tensorcast.transport import native
 
@@ -275,4 +287,3 @@ class Runtime:
 
         stub = self.worker_stub(worker)
         return stub.call("WriteChunks", messages())
-

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import STREAM_CHUNK_BYTES
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.safetensors_file import list_safetensors_files, read_header
 from tensorcast.transport import native
-from tensorcast.types import TENSOR_ALIGN_BYTES, TensorMeta, align_up
+from tensorcast.types import TENSOR_ALIGN_BYTES, Committed, TensorMeta, align_up
 
 if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Progress, Runtime
@@ -25,14 +24,6 @@ if TYPE_CHECKING:
 # fill(dest, base_offset, progress): write the content's bytes into dest[base_offset:].
 Filler = Callable[[Any, int, "Progress | None"], None]
 FILE_READ_STEP_BYTES = 256 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Committed:
-    content_id: str
-    size_bytes: int
-    tensors: tuple[TensorMeta, ...]
-    deduplicated: bool
 
 
 def buffer_filler(metas: list[TensorMeta], sources: Sequence[Any]) -> Filler:
@@ -106,8 +97,11 @@ def _write_local(runtime, worker, metas, size_bytes, fill, progress) -> Committe
         finally:
             mm.close()
         reply = conn.request(
-            {"op": "commit", "reservation_id": res["reservation_id"],
-             "tensors": [t.to_json() for t in metas]}
+            {
+                "op": "commit",
+                "reservation_id": res["reservation_id"],
+                "tensors": [t.to_json() for t in metas],
+            }
         )
     except BaseException:
         try:
@@ -141,5 +135,6 @@ def _write_remote(runtime, worker, metas, size_bytes, fill, progress) -> Committ
         for start in range(0, size_bytes, STREAM_CHUNK_BYTES)
     )
     reply = runtime.stream_write(worker, claimed, size_bytes, chunks)
-    return Committed(reply.content_id, reply.size_bytes, tensors_from_pb(reply.tensors),
-                     reply.deduplicated)
+    return Committed(
+        reply.content_id, reply.size_bytes, tensors_from_pb(reply.tensors), reply.deduplicated
+    )

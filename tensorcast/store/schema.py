@@ -9,7 +9,7 @@ import sqlite_utils
 
 
 def _v1(db: sqlite_utils.Database) -> None:
-    db["workers"].create(
+    db.table("workers").create(
         {
             "worker_id": str,
             "name": str,
@@ -25,7 +25,7 @@ def _v1(db: sqlite_utils.Database) -> None:
         },
         pk="worker_id",
     )
-    db["instances"].create(
+    db.table("instances").create(
         {
             "instance_id": str,
             "worker_id": str,
@@ -36,11 +36,11 @@ def _v1(db: sqlite_utils.Database) -> None:
         },
         pk="instance_id",
     )
-    db["contents"].create(
+    db.table("contents").create(
         {"content_id": str, "size_bytes": int, "tensors": str, "created_at": float},
         pk="content_id",
     )
-    db["artifacts"].create(
+    db.table("artifacts").create(
         {
             "art_id": str,
             "content_id": str,
@@ -53,18 +53,18 @@ def _v1(db: sqlite_utils.Database) -> None:
         foreign_keys=[("content_id", "contents", "content_id")],
         not_null={"content_id", "owner", "created_at"},
     )
-    db["artifacts"].create_index(["content_id"])
-    db["artifacts"].create_index(["expires_at"])
-    db["replicas"].create(
+    db.table("artifacts").create_index(["content_id"])
+    db.table("artifacts").create_index(["expires_at"])
+    db.table("replicas").create(
         {"content_id": str, "worker_id": str, "tier": str, "created_at": float},
         pk=("content_id", "worker_id", "tier"),
     )
-    db["replicas"].create_index(["worker_id"])
-    db["shard_leases"].create(
+    db.table("replicas").create_index(["worker_id"])
+    db.table("shard_leases").create(
         {"shard": int, "holder_worker_id": str, "fencing_token": int, "expires_at": float},
         pk="shard",
     )
-    db["plan_results"].create(
+    db.table("plan_results").create(
         {
             "idempotency_key": str,
             "trace_id": str,

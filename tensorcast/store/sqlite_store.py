@@ -33,7 +33,12 @@ MAX_ID_LENGTH = 512
 
 
 def validate_art_id(art_id: str) -> None:
-    if not art_id or len(art_id) > MAX_ID_LENGTH or not art_id.isprintable() or art_id != art_id.strip():
+    if (
+        not art_id
+        or len(art_id) > MAX_ID_LENGTH
+        or not art_id.isprintable()
+        or art_id != art_id.strip()
+    ):
         raise InvalidArgument(
             f"bad artifact id {art_id!r}: use 1-{MAX_ID_LENGTH} printable characters, "
             "no leading or trailing spaces"
@@ -61,7 +66,7 @@ class SqliteStore:
 
     def register_worker(self, reg: WorkerRegistration, now: float) -> None:
         with self._lock, self.db.conn:
-            self.db["workers"].upsert(
+            self.db.table("workers").upsert(
                 {
                     "worker_id": reg.worker_id,
                     "name": reg.name,
@@ -124,7 +129,7 @@ class SqliteStore:
 
     def list_workers(self, now: float) -> list[WorkerInfo]:
         with self._lock:
-            rows = list(self.db["workers"].rows_where(order_by="name, worker_id"))
+            rows = list(self.db.table("workers").rows_where(order_by="name, worker_id"))
         return [self._worker(r, now) for r in rows]
 
     def _worker(self, r: dict, now: float) -> WorkerInfo:
@@ -282,7 +287,9 @@ class SqliteStore:
             raise InvalidArgument("ttl_s must be > 0")
         with self._lock, self.db.conn:
             self._expire(now)
-            row = self.db.execute("SELECT owner FROM artifacts WHERE art_id = ?", [art_id]).fetchone()
+            row = self.db.execute(
+                "SELECT owner FROM artifacts WHERE art_id = ?", [art_id]
+            ).fetchone()
             if row is None:
                 raise NotFound(f"no artifact {art_id!r}: its lease may have expired")
             if row[0] != OWNER_LEASE:
@@ -337,4 +344,4 @@ class SqliteStore:
 
     def counts(self) -> tuple[int, int]:
         with self._lock:
-            return self.db["artifacts"].count, self.db["contents"].count
+            return self.db.table("artifacts").count, self.db.table("contents").count

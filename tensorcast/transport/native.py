@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from tensorcast import _native  # type: ignore[attr-defined]
 from tensorcast.errors import InvalidArgument, TensorcastError
+
+_native: Any = importlib.import_module("tensorcast._native")
 
 TREE_HASH_CHUNK_BYTES: int = _native.TREE_HASH_CHUNK_BYTES
 

@@ -64,8 +64,11 @@ class LocalServer:
                 return
             send_message(
                 conn,
-                {"ok": True, "worker_id": self.node.worker_id,
-                 "arena_bytes": self.node.pool.capacity_bytes},
+                {
+                    "ok": True,
+                    "worker_id": self.node.worker_id,
+                    "arena_bytes": self.node.pool.capacity_bytes,
+                },
                 fds=(self.node.pool.fd,),
             )
             while True:
@@ -112,9 +115,9 @@ class _Session:
                 "tensors": [t.to_json() for t in content.tensors],
             }
         if op == "release":
-            content = self.holds.pop(int(m["hold_id"]), None)
-            if content is not None:
-                pool.release(content)
+            hold_id = int(m["hold_id"])
+            if hold_id in self.holds:
+                pool.release(self.holds.pop(hold_id))
             return {"ok": True}
         if op == "reserve":
             res = pool.reserve(int(m["size_bytes"]))

@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 from tensorcast.config import host_id
 from tensorcast.errors import NotFound, TensorcastError
@@ -16,20 +15,12 @@ from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
 from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
-from tensorcast.types import TensorMeta
+from tensorcast.types import Committed, TensorMeta
 from tensorcast.worker.pool import Pool
 
 log = logging.getLogger("tensorcast.worker")
 
 ROLES = ("basic", "gateway", "shard-home")
-
-
-@dataclass(frozen=True)
-class Committed:
-    content_id: str
-    size_bytes: int
-    tensors: tuple[TensorMeta, ...]
-    deduplicated: bool
 
 
 class WorkerNode:
@@ -52,7 +43,9 @@ class WorkerNode:
         self.store_addr = store_addr
         self._channel = make_channel(store_addr)
         self.store = Stub(
-            pb_grpc.GlobalStoreStub(self._channel), f"global store {store_addr}", token,
+            pb_grpc.GlobalStoreStub(self._channel),
+            f"global store {store_addr}",
+            token,
             rpc_timeout_s,
         )
         self._stop = threading.Event()
@@ -91,7 +84,9 @@ class WorkerNode:
         result = self.pool.commit(reservation_id, tensors, verify_hashes)
         content = result.content
         if not result.deduplicated:
-            found = self.store.call("FindContent", pb.FindContentRequest(content_id=content.content_id))
+            found = self.store.call(
+                "FindContent", pb.FindContentRequest(content_id=content.content_id)
+            )
             if found.exists and any(r.worker_id != self.worker_id for r in found.replicas):
                 self.pool.drop(content.content_id)
                 return Committed(
@@ -114,7 +109,9 @@ class WorkerNode:
                 self.pool.drop(content.content_id)
                 raise
             self.pool.mark_registered(content.content_id)
-        return Committed(content.content_id, content.size_bytes, content.tensors, result.deduplicated)
+        return Committed(
+            content.content_id, content.size_bytes, content.tensors, result.deduplicated
+        )
 
     def heartbeat_once(self) -> None:
         stats = self.pool.stats()
@@ -151,7 +148,9 @@ class WorkerNode:
     def stop(self) -> None:
         self._stop.set()
         try:
-            self.store.call("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), 2.0)
+            self.store.call(
+                "DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=self.worker_id), 2.0
+            )
         except TensorcastError as e:
             log.warning("deregistration failed: %s", e)
         self._channel.close()

@@ -65,9 +65,7 @@ class Pool:
         os.ftruncate(self.fd, capacity_bytes)
         # MAP_POPULATE faults every page in now: writes into fresh pages run at a tenth of the
         # speed of writes into touched ones, so never pay that on a hot path.
-        self.mm = mmap.mmap(
-            self.fd, capacity_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE
-        )
+        self.mm = mmap.mmap(self.fd, capacity_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.view = memoryview(self.mm)
         self._alloc = ArenaAllocator(capacity_bytes)
         self._contents: dict[str, Content] = {}

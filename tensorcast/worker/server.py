@@ -68,7 +68,12 @@ def serve(
             signal.signal(sig, lambda *_: stop.set())
     log.info(
         "worker %s (%s) listening on %s, pool %d bytes, roles %s, store %s",
-        node.name, node.worker_id, node.addr, pool.capacity_bytes, ",".join(roles), store_addr,
+        node.name,
+        node.worker_id,
+        node.addr,
+        pool.capacity_bytes,
+        ",".join(roles),
+        store_addr,
     )
     if on_ready:
         on_ready(node)

@@ -8,7 +8,8 @@ from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
 from tensorcast.transport import native
-from tensorcast.worker.node import Committed, WorkerNode
+from tensorcast.types import Committed
+from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.slicing import DimSlice, copy_slices, plan_view
 
 
@@ -78,7 +79,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             end = request.offset_bytes + request.length_bytes
             if end > content.size_bytes:
                 raise InvalidArgument(
-                    f"read of [{request.offset_bytes}, {end}) beyond the {content.size_bytes}-byte content"
+                    f"read of [{request.offset_bytes}, {end}) is beyond the content "
+                    f"({content.size_bytes} bytes)"
                 )
             region = pool.region(content.offset, content.size_bytes)
             for start in range(request.offset_bytes, end, STREAM_CHUNK_BYTES):

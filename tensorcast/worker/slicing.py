@@ -53,8 +53,9 @@ def plan_view(
 
 def _bytes_tensor(region: memoryview, meta: TensorMeta) -> torch.Tensor:
     itemsize = DTYPE_ITEMSIZE[meta.dtype]
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=meta.size_bytes,
-                            offset=meta.offset_bytes)
+    flat = torch.frombuffer(
+        region, dtype=torch.uint8, count=meta.size_bytes, offset=meta.offset_bytes
+    )
     return flat.view(*meta.shape, itemsize)
 
 

@@ -1,0 +1,112 @@
+"""Fixtures that start real clusters: a Global Store and worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Fast liveness for tests; inherited by every process the fixtures start.
+os.environ["TC_HEARTBEAT_INTERVAL_S"] = "0.2"
+os.environ["TC_HEARTBEAT_TTL_S"] = "1.5"
+os.environ.pop("TC_ADDR", None)
+os.environ.pop("TC_TOKEN", None)
+
+import tensorcast as tc
+from tensorcast.sdk import local_cluster
+from tensorcast.sdk.cluster_file import ClusterRecord, read_token
+
+
+@dataclass
+class Cluster:
+    state_dir: Path
+    record: ClusterRecord
+
+    @property
+    def token(self) -> str:
+        token = read_token(self.state_dir)
+        assert token
+        return token
+
+    def connect(self) -> tc.Runtime:
+        return tc.connect(state_dir=self.state_dir)
+
+    def pid(self, name: str) -> int:
+        return next(p.pid for p in self.record.processes if p.name == name)
+
+    def tc(
+        self, *args: str, check: bool = False, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
+        """Run the real `tc` CLI against this cluster."""
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tensorcast.cli.main",
+                *args,
+                "--state-dir",
+                str(self.state_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **(env or {})},
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"tc {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+        return proc
+
+
+def start_cluster(state_dir: Path, workers: int = 1, mem: str = "256MiB") -> Iterator[Cluster]:
+    result = local_cluster.up(state_dir, workers, mem)
+    try:
+        yield Cluster(state_dir, result.record)
+    finally:
+        local_cluster.down(state_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    """One store and two workers, shared by a test module."""
+    yield from start_cluster(tmp_path_factory.mktemp("cluster"), workers=2, mem="256MiB")
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path) -> Iterator[Cluster]:
+    """A private single-worker cluster for tests that kill or fill things."""
+    yield from start_cluster(tmp_path / "state", workers=1, mem="64MiB")
+
+
+@pytest.fixture
+def rt(cluster) -> Iterator[tc.Runtime]:
+    runtime = cluster.connect()
+    yield runtime
+    runtime.close()
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        time.sleep(interval_s)
+
+
+def pool_used(rt: tc.Runtime) -> dict[str, int]:
+    """Bytes used per worker, straight from each worker (not the heartbeat-delayed store view)."""
+    from tensorcast.proto import tensorcast_pb2 as pb
+
+    return {
+        w.name: rt.worker_stub(w).call("Status", pb.Empty()).worker.mem_used_bytes
+        for w in rt.workers()
+        if w.alive
+    }

@@ -1,0 +1,189 @@
+"""Artifacts through a real cluster: round trips, views, dedupe, immutability, leases."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import pool_used, wait_until
+from safetensors.torch import load_file, save_file
+
+import tensorcast as tc
+from tensorcast.tensors import TORCH_DTYPES
+
+
+def _random(dtype: torch.dtype, shape) -> torch.Tensor:
+    """Random bit patterns of any dtype (every byte value, NaN payloads included)."""
+    raw = torch.randint(
+        0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), dtype=torch.uint8
+    )
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_every_dtype_round_trips_bit_exact(rt):
+    tensors = {f"t_{name}": _random(dtype, (3, 5)) for name, dtype in TORCH_DTYPES.items()}
+    tensors["empty"] = torch.empty(0, 7)
+    tensors["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    tensors["scalar_bool"] = torch.tensor(True)
+    tensors["strided"] = torch.arange(40, dtype=torch.int32).reshape(5, 8)[:, ::2]
+    rt.put(tensors, "dtypes@v1")
+    got = rt.artifact("dtypes@v1").tensor_dict()
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert _bits(got[name]) == _bits(t), name
+    meta = rt.artifact("dtypes@v1").tensor_meta()
+    assert meta["scalar"].shape == () and meta["empty"].size_bytes == 0
+
+
+def test_cli_put_get_round_trip_every_dtype(cluster, tmp_path):
+    # safetensors.torch supports all but F8_E8M0.
+    tensors = {
+        name: _random(dtype, (4, 3)) for name, dtype in TORCH_DTYPES.items() if name != "F8_E8M0"
+    }
+    tensors["empty"] = torch.empty(2, 0)
+    tensors["scalar"] = torch.tensor(7, dtype=torch.int64)
+    save_file(tensors, tmp_path / "in.safetensors")
+    put = cluster.tc("put", "cli-rt", str(tmp_path / "in.safetensors"), "--json", check=True)
+    assert '"art_id": "cli-rt"' in put.stdout
+    cluster.tc("get", "cli-rt", "-o", str(tmp_path / "out.safetensors"), check=True)
+    back = load_file(tmp_path / "out.safetensors")
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and _bits(back[name]) == _bits(t), name
+
+
+@pytest.mark.slow
+def test_one_gib_tensor(tmp_path):
+    from conftest import start_cluster
+
+    for c in start_cluster(tmp_path / "big", workers=1, mem="1100MiB"):
+        with c.connect() as rt:
+            big = torch.randint(0, 2**31, (1 << 28,), dtype=torch.int32)  # 1 GiB
+            rt.put({"big": big}, "big")
+            got = rt.artifact("big")
+            assert got.size_bytes == 1 << 30
+            t = got.tensor_dict()["big"]
+            assert torch.equal(t, big)
+            del t
+
+
+def test_same_content_is_stored_once(rt):
+    tensors = {"w": torch.randn(256, 256)}
+    first = rt.put(tensors, "dedupe-a")
+    used = pool_used(rt)
+    second = rt.put({"w": tensors["w"].clone()}, "dedupe-b")
+    assert second.content_id == first.content_id
+    assert pool_used(rt) == used
+    # Putting the same id with the same content again is a no-op, not an error.
+    assert rt.put(tensors, "dedupe-a").content_id == first.content_id
+
+
+def test_reusing_an_id_for_other_content_is_rejected(rt):
+    rt.put({"w": torch.zeros(8)}, "immutable")
+    used = pool_used(rt)
+    with pytest.raises(tc.AlreadyExists, match="immutable"):
+        rt.put({"w": torch.ones(8)}, "immutable")
+    assert torch.equal(rt.artifact("immutable").tensor_dict()["w"], torch.zeros(8))
+    # The rejected bytes are not left behind once the store's grace period passes; immediately
+    # afterwards at most the rejected content's region is extra.
+    assert sum(pool_used(rt).values()) - sum(used.values()) <= 4096
+
+
+def test_view_slices_on_the_worker(rt):
+    w = torch.randn(8, 6, 4)
+    rt.put({"w": w, "b": torch.arange(10)}, "viewed")
+    art = rt.artifact("viewed")
+    cases = {
+        "v-dim0": {"w": slice(2, 6)},
+        "v-dim1": {"w": (slice(None), slice(1, 5))},
+        "v-dim2-step": {"w": (slice(None), slice(None), slice(0, 4, 2))},
+        "v-int": {"w": 3, "b": slice(-3, None)},
+    }
+    expected = {
+        "v-dim0": (w[2:6], torch.arange(10)),
+        "v-dim1": (w[:, 1:5], torch.arange(10)),
+        "v-dim2-step": (w[:, :, 0:4:2], torch.arange(10)),
+        "v-int": (w[3:4], torch.arange(10)[-3:]),
+    }
+    for name, spec in cases.items():
+        view = art.view(spec, name)
+        assert view.info.parent == "viewed"
+        got = view.tensor_dict()
+        assert torch.equal(got["w"], expected[name][0]), name
+        assert torch.equal(got["b"], expected[name][1]), name
+        assert view.size_bytes < art.size_bytes or name == "v-none"
+    with pytest.raises(tc.InvalidArgument):
+        art.view({"nope": slice(0, 1)}, "bad")
+    with pytest.raises(tc.InvalidArgument):
+        art.view({"w": (slice(0, 1),) * 4}, "bad")
+
+
+def test_lease_expires_and_renewal_extends_it(rt):
+    art = rt.register({"kv": torch.randn(64, 64)}, "lease-a", ttl_s=1.5)
+    assert art.info.owner == "lease" and art.info.expires_at is not None
+    rt.register({"kv": torch.randn(64, 64)}, "lease-b", ttl_s=1.5)
+    time.sleep(1.0)
+    art.renew(3.0)
+    time.sleep(1.0)  # past lease-b's TTL, within lease-a's renewed one
+    assert torch.equal(rt.artifact("lease-a").tensor_dict()["kv"], art.tensor_dict()["kv"])
+    with pytest.raises(tc.NotFound):
+        rt.artifact("lease-b")
+    assert "lease-b" not in [a.art_id for a in rt.list_artifacts("lease-")]
+    with pytest.raises(tc.NotFound):
+        rt.renew("lease-b", 10)
+    wait_until(lambda: not any(a.art_id == "lease-a" for a in rt.list_artifacts("lease-")), 5)
+
+
+def test_delete_frees_memory_but_held_tensors_stay_valid(rt):
+    data = torch.randn(512, 512)
+    rt.put({"w": data}, "to-delete")
+    before = sum(pool_used(rt).values())
+    held = rt.artifact("to-delete").tensor_dict()["w"]
+    rt.delete("to-delete")
+    with pytest.raises(tc.NotFound):
+        rt.artifact("to-delete")
+    # The worker learns of the delete by heartbeat; while we hold the tensor it keeps the bytes.
+    time.sleep(1.0)
+    filler = rt.put({"f": torch.full((512, 512), 7.0)}, "after-delete")
+    assert torch.equal(held, data)
+    del held
+    import gc
+
+    gc.collect()
+    wait_until(lambda: sum(pool_used(rt).values()) <= before, 5)
+    assert torch.equal(filler.tensor_dict()["f"], torch.full((512, 512), 7.0))
+
+
+def test_unknown_id_is_not_found(cluster, rt):
+    with pytest.raises(tc.NotFound, match="no artifact"):
+        rt.artifact("missing")
+    with pytest.raises(tc.NotFound):
+        rt.delete("missing")
+    proc = cluster.tc("show", "missing")
+    assert proc.returncode == tc.NotFound.exit_code and "no artifact 'missing'" in proc.stderr
+
+
+def test_bad_inputs_are_invalid_argument(rt):
+    with pytest.raises(tc.InvalidArgument):
+        rt.put({"w": [1, 2, 3]}, "not-a-tensor")
+    with pytest.raises(tc.InvalidArgument):
+        rt.put({"w": torch.ones(2)}, "")
+    with pytest.raises(tc.InvalidArgument):
+        rt.register({"w": torch.ones(2)}, "no-ttl", ttl_s=0)
+
+
+def test_caller_on_another_host_moves_bytes_over_grpc(cluster):
+    """A caller whose host has no worker streams bytes (chunk checksums, verified hashes)."""
+    with cluster.connect() as rt:
+        rt.host_id = "some-other-host"
+        w = torch.randn(1024, 1024)  # 4 MiB: more than one stream chunk
+        art = rt.put({"w": w, "i": torch.arange(5)}, "remote-put")
+        got = art.tensor_dict()
+        assert torch.equal(got["w"], w) and torch.equal(got["i"], torch.arange(5))
+        assert not rt._local  # no shared-memory connection was used

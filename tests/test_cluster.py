@@ -1,0 +1,206 @@
+"""Cluster lifecycle and failures with real processes: zero-copy, liveness, restarts, auth."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import pool_used, wait_until
+
+import tensorcast as tc
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _mapping_of(address: int) -> str:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= address < end:
+            return parts[5] if len(parts) > 5 else ""
+    return ""
+
+
+def test_tensor_dict_is_zero_copy(rt):
+    size = 256 * 1024 * 1024 // 4 // 2  # 128 MiB of float32
+    rt.put({"w": torch.ones(size), "v": torch.arange(1000, dtype=torch.float32)}, "zero-copy")
+    gc.collect()
+    anon_before = _status_kib("RssAnon")
+    tensors = rt.artifact("zero-copy").tensor_dict()
+    # Every tensor lives inside the worker's shared-memory pool mapping...
+    for t in tensors.values():
+        assert "memfd:tensorcast-pool" in _mapping_of(t.data_ptr())
+    # ...and reading every byte does not grow this process's private memory.
+    assert float(tensors["w"].sum()) == size
+    assert float(tensors["v"].sum()) == sum(range(1000))
+    grown = _status_kib("RssAnon") - anon_before
+    assert grown < size * 4 // 10, f"RssAnon grew by {grown} bytes"
+    # Writing to a tensor changes only this caller's copy, never the pool.
+    tensors["v"][0] = 12345.0
+    assert float(rt.artifact("zero-copy").tensor_dict()["v"][0]) == 0.0
+
+
+def test_up_twice_status_and_down(tmp_path):
+    from conftest import Cluster
+
+    state = tmp_path / "state"
+    c = Cluster(state, None)  # type: ignore[arg-type]
+    try:
+        first = json.loads(
+            c.tc("up", "--workers", "2", "--mem", "32MiB", "--json", check=True).stdout
+        )
+        assert not first["already_running"]
+        pids = {p["pid"] for p in first["processes"]}
+        assert len(pids) == 3
+        second = json.loads(c.tc("up", "--json", check=True).stdout)
+        assert second["already_running"] and {p["pid"] for p in second["processes"]} == pids
+        status = json.loads(c.tc("status", "--json", check=True).stdout)
+        assert status["healthy"]
+        states = {x["name"]: x["state"] for x in status["components"]}
+        assert states == {"store": "healthy", "worker-1": "healthy", "worker-2": "healthy"}
+        assert (state / "logs" / "store.log").exists() and (
+            state / "token"
+        ).stat().st_mode & 0o777 == 0o600
+    finally:
+        down = json.loads(c.tc("down", "--json", check=True).stdout)
+    assert len(down["stopped"]) == 3
+    for pid in pids:
+        wait_until(
+            lambda pid=pid: _gone(pid),
+            10,
+        )
+    proc = c.tc("status")
+    assert proc.returncode == tc.Unavailable.exit_code and "tc up" in proc.stdout
+
+
+def test_killed_worker_is_detected_within_ttl(fresh_cluster):
+    ttl_s = float(os.environ["TC_HEARTBEAT_TTL_S"])
+    with fresh_cluster.connect() as rt:
+        rt.put({"w": torch.ones(4)}, "on-worker")
+        os.kill(fresh_cluster.pid("worker-1"), signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_until(lambda: not rt.workers()[0].alive, ttl_s + 1.0)
+        assert time.monotonic() - killed_at <= ttl_s + 1.0
+        status = json.loads(fresh_cluster.tc("status", "--json").stdout)
+        assert {x["name"]: x["state"] for x in status["components"]}["worker-1"] == "dead"
+        with pytest.raises(tc.Unavailable, match="no live replica"):
+            rt.artifact("on-worker").tensor_dict()
+
+
+def test_store_killed_and_restarted_loses_nothing(fresh_cluster):
+    c = fresh_cluster
+    with c.connect() as rt:
+        data = {f"t{i}": torch.randn(64) for i in range(5)}
+        for i in range(20):
+            rt.put({"i": torch.tensor(i), **data}, f"durable-{i}")
+        rt.register({"x": torch.ones(3)}, "durable-lease", ttl_s=600)
+        before = [(a.art_id, a.content_id, a.owner) for a in rt.list_artifacts()]
+    store_pid = c.pid("store")
+    addr = c.record.store_addr
+    os.kill(store_pid, signal.SIGKILL)
+    wait_until(
+        lambda: _gone(store_pid),
+        5,
+    )
+    restarted = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorcast.cli.main",
+            "store",
+            "start",
+            "--db",
+            str(c.state_dir / "store.db"),
+            "--listen",
+            addr,
+            "--state-dir",
+            str(c.state_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        def reconnect():
+            try:
+                return c.connect()
+            except tc.Unavailable:
+                return None
+
+        rt = wait_until(reconnect, 30, 0.2)
+        with rt:
+            after = [(a.art_id, a.content_id, a.owner) for a in rt.list_artifacts()]
+            assert after == before
+            # The worker kept heartbeating into the new store process and still serves the data.
+            got = wait_until(lambda: rt.artifact("durable-7").info.replicas, 10)
+            assert got
+            assert int(rt.artifact("durable-7").tensor_dict()["i"]) == 7
+    finally:
+        restarted.terminate()
+        restarted.wait(10)
+
+
+def test_wrong_or_missing_token_is_rejected(cluster):
+    with pytest.raises(tc.Unauthenticated, match="token"):
+        tc.connect(cluster.record.store_addr, "wrong-token")
+    proc = cluster.tc("ls", "--token", "wrong-token")
+    assert proc.returncode == tc.Unauthenticated.exit_code and "token" in proc.stderr
+    # The workers' gRPC port and the same-host socket check it too.
+    from tensorcast.proto import tensorcast_pb2 as pb
+    from tensorcast.sdk.local_client import LocalConnection
+
+    with cluster.connect() as rt:
+        worker = rt.workers()[0]
+        rt.token = "wrong-token"
+        with pytest.raises(tc.Unauthenticated):
+            rt.worker_stub(worker).call("Status", pb.Empty())
+        with pytest.raises(tc.Unauthenticated):
+            LocalConnection(worker.local_socket, "wrong-token", 5.0)
+
+
+def test_pool_full_is_clean(fresh_cluster):
+    with fresh_cluster.connect() as rt:
+        rt.put({"small": torch.ones(1024)}, "fits")
+        used = pool_used(rt)
+        with pytest.raises(tc.ResourceExhausted, match="pool full"):
+            rt.put({"huge": torch.zeros(80 * 1024 * 1024 // 4)}, "too-big")  # 80 MiB > 64 MiB
+        assert pool_used(rt) == used
+        assert [a.art_id for a in rt.list_artifacts()] == ["fits"]
+        proc = fresh_cluster.tc("ls", "--json", check=True)
+        assert [a["art_id"] for a in json.loads(proc.stdout)["artifacts"]] == ["fits"]
+
+
+def test_cli_errors_have_exit_codes(tmp_path, cluster):
+    bad_size = cluster.tc("up", "--mem", "12XB", env={"TC_STATE_DIR": str(tmp_path)})
+    assert bad_size.returncode == tc.InvalidArgument.exit_code and "bad size" in bad_size.stderr
+    unreachable = cluster.tc("ls", "--addr", "127.0.0.1:1", "--token", "x")
+    assert unreachable.returncode == tc.Unavailable.exit_code
+    assert "cannot reach" in unreachable.stderr
+    no_cluster = subprocess.run(
+        [sys.executable, "-m", "tensorcast.cli.main", "ls", "--state-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+    )
+    assert no_cluster.returncode == tc.Unavailable.exit_code and "tc up" in no_cluster.stderr
+    missing_file = cluster.tc("put", "x", str(tmp_path / "nope.safetensors"))
+    assert missing_file.returncode == tc.InvalidArgument.exit_code

@@ -1,0 +1,116 @@
+"""Pure logic: sizes, the arena allocator, content identity, header encoding, view slicing."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorcast.config import parse_size
+from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.identity import content_id
+from tensorcast.types import TensorMeta
+from tensorcast.worker.arena import PAGE_BYTES, ArenaAllocator
+from tensorcast.worker.slicing import DimSlice, sliced_shape
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("4096", 4096),
+        ("512MiB", 512 << 20),
+        ("2GiB", 2 << 30),
+        ("1.5G", 1_500_000_000),
+        ("10kb", 10_000),
+        (" 3 TiB ", 3 << 40),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12XB", "-5MiB", "0", "1..2G", "GiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(InvalidArgument, match="bad size"):
+        parse_size(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 5 * PAGE_BYTES)), max_size=60), st.randoms()
+)
+def test_arena_never_overlaps_and_coalesces(ops, rnd):
+    capacity = 64 * PAGE_BYTES
+    arena = ArenaAllocator(capacity)
+    live: dict[int, int] = {}
+    for do_alloc, size in ops:
+        if do_alloc or not live:
+            try:
+                offset = arena.allocate(size)
+            except ResourceExhausted:
+                assert arena.largest_free_bytes() < max(size, 1)
+                continue
+            assert offset % PAGE_BYTES == 0
+            live[offset] = arena.size_of(offset)
+        else:
+            offset = rnd.choice(sorted(live))
+            arena.free(offset)
+            del live[offset]
+        spans = sorted(live.items())
+        for (a, sa), (b, _) in itertools.pairwise(spans):
+            assert a + sa <= b, "regions overlap"
+        assert arena.used_bytes == sum(live.values())
+    for offset in list(live):
+        arena.free(offset)
+    assert arena.free_blocks() == [(0, capacity)]
+
+
+def test_content_id_ignores_order_and_offsets_but_not_content():
+    a = TensorMeta("a", "F32", (2,), 8, 0, "h1")
+    b = TensorMeta("b", "I8", (3,), 3, 64, "h2")
+    moved = TensorMeta("b", "I8", (3,), 3, 128, "h2")
+    assert content_id([a, b]) == content_id([moved, a])
+    assert content_id([a, b]) != content_id([a, TensorMeta("b", "I8", (3,), 3, 64, "h3")])
+    assert content_id([a, b]) != content_id([a, TensorMeta("b", "U8", (3,), 3, 64, "h2")])
+    assert content_id([a, b]) != content_id([a, TensorMeta("c", "I8", (3,), 3, 64, "h2")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=4), st.data())
+def test_sliced_shape_matches_torch(shape, data):
+    """The worker's shape arithmetic equals what torch's own slicing produces."""
+    dims = []
+    for size in shape[: data.draw(st.integers(0, len(shape)))]:
+        start = data.draw(st.integers(0, size))
+        stop = data.draw(st.integers(start, size))
+        dims.append(DimSlice(start, stop, data.draw(st.integers(1, 3))))
+    meta = TensorMeta("t", "F32", tuple(shape), 4 * int(torch.tensor(shape).prod()))
+    expected = torch.empty(shape)[tuple(slice(d.start, d.stop, d.step) for d in dims)].shape
+    assert sliced_shape(meta, dims) == tuple(expected)
+
+
+def test_sliced_shape_rejects_out_of_range():
+    meta = TensorMeta("t", "F32", (4, 4), 64)
+    with pytest.raises(InvalidArgument, match="bad slice"):
+        sliced_shape(meta, [DimSlice(0, 5, 1)])
+    with pytest.raises(InvalidArgument, match="bad slice"):
+        sliced_shape(meta, [DimSlice(0, 2, 0)])
+    with pytest.raises(InvalidArgument, match="dimensions"):
+        sliced_shape(meta, [DimSlice(0, 1, 1)] * 3)
+
+
+def test_random_layout_is_aligned():
+    from tensorcast.types import pack_layout
+
+    rnd = random.Random(0)
+    specs = [
+        (f"t{i}", rnd.choice(["F32", "I8", "BF16", "F64"]), (rnd.randint(0, 9),)) for i in range(50)
+    ]
+    metas, size = pack_layout(specs)
+    for m in metas:
+        assert m.offset_bytes % 64 == 0
+    assert size >= sum(m.size_bytes for m in metas)
