@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,16 +161,24 @@ class Runtime:
         progress: Progress | None,
     ) -> Artifact:
         from tensorcast import tensors as tmod
+        from tensorcast.identity import content_id
         from tensorcast.sdk import writes
+        from tensorcast.transport import native
         from tensorcast.types import pack_layout
 
         items = tmod.check_tensors(tensors)
         metas, size = pack_layout([(n, tmod.dtype_name(t.dtype), tuple(t.shape)) for n, t in items])
         sources = [tmod.tensor_bytes(t) for _, t in items]
-        committed = writes.write_content(
-            self, metas, size, writes.buffer_filler(metas, sources), progress
-        )
-        return self._name(art_id, committed.content_id, owner, ttl_s, "")
+        # Hash first: content the cluster already holds moves no bytes. The worker re-hashes what
+        # it receives and rejects a mismatch, so the copy is checked end to end.
+        hashes = native.hash_buffers(sources)
+        metas = [replace(m, hash_hex=h) for m, h in zip(metas, hashes)]
+        cid = content_id(metas)
+        found = self.store.call("FindContent", pb.FindContentRequest(content_id=cid))
+        if not (found.exists and found.replicas):
+            filler = writes.buffer_filler(metas, sources)
+            cid = writes.write_content(self, metas, size, filler, progress).content_id
+        return self._name(art_id, cid, owner, ttl_s, "")
 
     def put_files(
         self,

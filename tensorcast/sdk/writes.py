@@ -99,6 +99,7 @@ def _write_local(runtime, worker, metas, size_bytes, fill, progress) -> Committe
         reply = conn.request(
             {
                 "op": "commit",
+                "verify": all(t.hash_hex for t in metas),
                 "reservation_id": res["reservation_id"],
                 "tensors": [t.to_json() for t in metas],
             }
