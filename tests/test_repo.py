@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_protobuf_stubs_are_current():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr
 
@@ -20,7 +21,8 @@ def test_protobuf_stubs_are_current():
 def test_help_imports_no_heavy_modules():
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "tensorcast.cli.main", "--help"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0 and "put" in proc.stdout
     imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines()}

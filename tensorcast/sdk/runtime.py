@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
