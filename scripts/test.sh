@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 
 echo "== generated protobuf stubs up to date"
 python scripts/gen_proto.py --check
+echo "== man pages up to date"
+python scripts/gen_man.py --check
 echo "== ruff"
 ruff check tensorcast tests scripts
 ruff format --check tensorcast tests scripts

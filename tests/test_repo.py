@@ -44,3 +44,13 @@ def test_every_command_has_help():
         for param in cmd.params:
             if param.name != "help" and getattr(param, "param_type_name", "") == "option":
                 assert (param.help or "").strip(), f"{' '.join(path)} {param.name} has no help"
+
+
+def test_man_pages_are_current():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_man.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (ROOT / "man" / "tc-put.1").read_text().count(".SH OPTIONS") == 1

@@ -63,13 +63,15 @@ def fail(message: str, exit_code: int) -> None:
     raise typer.Exit(exit_code)
 
 
-def write_ready_file(path: Path | None, data: dict) -> None:
-    """Tell whoever started us (tc up, a script) where we listen, atomically."""
-    if path is None:
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+def announce(ready_file: Path | None, as_json: bool, data: dict) -> None:
+    """A server is serving: tell whoever started it (tc up, a script) where, atomically."""
+    if as_json:
+        sys.stdout.write(json.dumps(data) + "\n")
+        sys.stdout.flush()
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(ready_file)
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tensorcast.cli.common import StateDirOpt, TokenOpt, state_dir_of, write_ready_file
+from tensorcast.cli.common import JsonOpt, StateDirOpt, TokenOpt, announce, state_dir_of
 
 app = typer.Typer(help="Run the Global Store (control-plane metadata).", no_args_is_help=True)
 
@@ -24,6 +24,7 @@ def start(
     ] = "127.0.0.1:7400",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
     ready_file: Annotated[
         Path | None,
         typer.Option(
@@ -53,5 +54,5 @@ def start(
         listen,
         token,
         timing().heartbeat_ttl_s,
-        on_ready=lambda addr: write_ready_file(ready_file, {"addr": addr, "pid": os.getpid()}),
+        on_ready=lambda addr: announce(ready_file, as_json, {"addr": addr, "pid": os.getpid()}),
     )

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tensorcast.cli.common import StateDirOpt, TokenOpt, state_dir_of, write_ready_file
+from tensorcast.cli.common import JsonOpt, StateDirOpt, TokenOpt, announce, state_dir_of
 from tensorcast.config import DEFAULT_WORKER_MEM
 
 app = typer.Typer(help="Run a worker (holds a slice of the tensor pool).", no_args_is_help=True)
@@ -29,6 +29,7 @@ def start(
     name: Annotated[str, typer.Option("--name", help="Name shown in tc status.")] = "",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
     ready_file: Annotated[
         Path | None,
         typer.Option(
@@ -65,7 +66,9 @@ def start(
         name,
         t.heartbeat_interval_s,
         t.rpc_timeout_s,
-        on_ready=lambda node: write_ready_file(
-            ready_file, {"addr": node.addr, "pid": os.getpid(), "worker_id": node.worker_id}
+        on_ready=lambda node: announce(
+            ready_file,
+            as_json,
+            {"addr": node.addr, "pid": os.getpid(), "worker_id": node.worker_id},
         ),
     )
