@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -39,6 +40,18 @@ def _is_ours(pid: int) -> bool:
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
     return "tensorcast" in cmdline
+
+
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    """Wait for a process that is not our child to exit (a pidfd is readable once it has)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
 
 
 def _spawn(args: list[str], log: Path, token: str, ready: Path) -> subprocess.Popen:
@@ -171,12 +184,8 @@ def down(state_dir: Path) -> list[ProcessRecord]:
                 os.kill(p.pid, signal.SIGTERM)
             deadline = time.monotonic() + STOP_TIMEOUT_S
             for p in live:
-                try:
-                    psutil.Process(p.pid).wait(max(0.1, deadline - time.monotonic()))
-                except psutil.TimeoutExpired:
+                if not _wait_exit(p.pid, max(0.1, deadline - time.monotonic())):
                     os.kill(p.pid, signal.SIGKILL)
-                except psutil.NoSuchProcess:
-                    pass
             stopped.extend(live)
         (state_dir / "cluster.json").unlink(missing_ok=True)
         for f in (state_dir / "run").glob("*.json"):

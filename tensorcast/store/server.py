@@ -47,5 +47,5 @@ def serve(
         except Exception:  # keep serving; the next sweep retries
             log.exception("sweep failed")
     log.info("global store stopping")
-    server.stop(grace=2).wait(5)
+    server.stop(grace=0.5).wait(5)
     store.close()

@@ -81,4 +81,4 @@ def serve(
     log.info("worker %s stopping", node.name)
     local.close()
     node.stop()
-    server.stop(grace=2).wait(5)
+    server.stop(grace=0.5).wait(5)

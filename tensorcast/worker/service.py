@@ -10,7 +10,6 @@ from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
 from tensorcast.transport import native
 from tensorcast.types import Committed
 from tensorcast.worker.node import WorkerNode
-from tensorcast.worker.slicing import DimSlice, copy_slices, plan_view
 
 
 def _commit_reply(c: Committed) -> pb.CommitReply:
@@ -45,6 +44,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         )
 
     def View(self, request, context):
+        # torch loads on the first view, not at worker start (it costs ~1.5 s to import).
+        from tensorcast.worker.slicing import DimSlice, copy_slices, plan_view
+
         pool = self.node.pool
         source = pool.hold(request.content_id)
         try:
