@@ -131,3 +131,19 @@ def host_id() -> str:
     except OSError:
         netns = ""
     return hashlib.sha256(f"{boot_id}|{netns}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test hooks for the data server (never set in production): corrupt the checksum of the next
+    N chunks sent, or drop a connection after N chunks, as a dying or faulty source would."""
+
+    corrupt_chunks: int = 0
+    close_after_chunks: int = 0
+
+
+def fault_injection() -> FaultInjection:
+    return FaultInjection(
+        corrupt_chunks=int(_env_float("TC_FAULT_CORRUPT_CHUNKS", 0)),
+        close_after_chunks=int(_env_float("TC_FAULT_CLOSE_AFTER_CHUNKS", 0)),
+    )

@@ -101,6 +101,7 @@ class Committed:
 class ReplicaInfo:
     worker_id: str
     tier: str = "cpu"
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,10 @@ class ArtifactInfo:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "parent": self.parent or None,
-            "replicas": [{"worker_id": r.worker_id, "tier": r.tier} for r in self.replicas],
+            "replicas": [
+                {"worker_id": r.worker_id, "tier": r.tier, "pinned": r.pinned}
+                for r in self.replicas
+            ],
         }
 
 
@@ -147,6 +151,8 @@ class WorkerInfo:
     registered_at: float
     heartbeat_age_s: float
     alive: bool
+    data_addr: str = ""
+    active_transfers: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -160,4 +166,6 @@ class WorkerInfo:
             "pid": self.pid,
             "heartbeat_age_s": round(self.heartbeat_age_s, 3),
             "alive": self.alive,
+            "data_addr": self.data_addr,
+            "active_transfers": self.active_transfers,
         }

@@ -114,3 +114,45 @@ def test_random_layout_is_aligned():
     for m in metas:
         assert m.offset_bytes % 64 == 0
     assert size >= sum(m.size_bytes for m in metas)
+
+
+def test_pool_eviction_candidates_are_lru_unpinned_unheld():
+    from tensorcast.worker.pool import Pool
+
+    pool = Pool(16 * PAGE_BYTES, name="tc-unit-pool")
+    ids = []
+    for i in range(4):
+        res = pool.reserve(PAGE_BYTES)
+        pool.region(res.offset, 4)[:] = bytes([i]) * 4
+        meta = TensorMeta(f"t{i}", "U8", (4,), 4)
+        ids.append(pool.commit(res.reservation_id, [meta]).content.content_id)
+    pool.hold(ids[0])  # most recently used, and held: not a candidate while held
+    pool.set_pinned(ids[1], True)
+    assert pool.eviction_candidates() == [ids[2], ids[3]]
+    pool.release(pool.get(ids[0]))
+    assert pool.eviction_candidates() == [ids[2], ids[3], ids[0]]
+    used = pool.stats().used_bytes
+    assert pool.drop(ids[2]) and pool.stats().used_bytes == used - PAGE_BYTES
+    pool.close()
+
+
+def test_order_sources_same_host_then_least_loaded():
+    from tensorcast.placement import order_sources
+    from tensorcast.types import ReplicaInfo, WorkerInfo
+
+    def w(wid, host, transfers=0, used=0, alive=True):
+        return WorkerInfo(
+            wid, wid, "a:1", host, "", (), 100, used, 1, 0.0, 0.0, alive, "a:2", transfers
+        )
+
+    workers = [
+        w("far-idle", "h2"),
+        w("near-busy", "h1", 3),
+        w("near-idle", "h1", 0, 50),
+        w("near-emptier", "h1", 0, 10),
+        w("dead", "h1", alive=False),
+        w("me", "h1"),
+    ]
+    replicas = [ReplicaInfo(x.worker_id) for x in workers]
+    order = [x.worker_id for x in order_sources(replicas, workers, "h1", exclude_worker_id="me")]
+    assert order == ["near-emptier", "near-idle", "near-busy", "far-idle"]

@@ -3,12 +3,15 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "tensorcast/copy.h"
 #include "tensorcast/file_read.h"
 #include "tensorcast/hash.h"
+#include "tensorcast/transport.h"
 
 namespace nb = nanobind;
 
@@ -54,10 +57,88 @@ void check_fits(const char* name, uint64_t offset, uint64_t length_bytes, size_t
     }
 }
 
+// Python face of tc::DataServer. Holds the buffer export of `base` (which also
+// keeps the exporting object alive, and stops an mmap from being closed) until
+// stop(); the C++ server only reads the memory while its threads run.
+class PyDataServer {
+public:
+    PyDataServer(const std::string& host, uint16_t port, nb::handle base, const std::string& token)
+        : view_(std::make_unique<BufferView>(base, "base", false)),
+          server_(std::make_unique<tc::DataServer>(host, port, view_->data(),
+                                                   view_->size_bytes(), token)) {}
+    ~PyDataServer() { server_->stop(); }  // before view_ goes (members die in reverse)
+
+    tc::DataServer& server() { return *server_; }
+
+    void stop() {
+        {
+            nb::gil_scoped_release release;
+            server_->stop();
+        }
+        view_.reset();  // threads are joined: the memory is no longer read
+    }
+
+private:
+    std::unique_ptr<BufferView> view_;
+    std::unique_ptr<tc::DataServer> server_;
+};
+
+struct CancelToken {
+    std::atomic<bool> flag{false};
+};
+
+// Exception types, filled in at module init; kept alive by the module.
+struct TransferErrorTypes {
+    PyObject* error = nullptr;
+    PyObject* timeout = nullptr;
+    PyObject* cancelled = nullptr;
+};
+TransferErrorTypes transfer_error_types;
+
+// Like nb::exception's translator, plus a `reason` attribute ("refused",
+// "bad_token", "ticket_rejected", ...) so Python can branch without parsing text.
+void translate_transfer_error(const std::exception_ptr& error, void*) {
+    try {
+        std::rethrow_exception(error);
+    } catch (const tc::TransferError& e) {
+        PyObject* type = transfer_error_types.error;
+        if (dynamic_cast<const tc::TransferTimeout*>(&e) != nullptr)
+            type = transfer_error_types.timeout;
+        else if (dynamic_cast<const tc::TransferCancelled*>(&e) != nullptr)
+            type = transfer_error_types.cancelled;
+        nb::object instance = nb::borrow(type)(nb::str(e.what()));
+        nb::setattr(instance, "reason", nb::str(e.reason()));
+        PyErr_SetObject(type, instance.ptr());
+    }
+}
+
+nb::dict to_dict(const tc::PullStats& s) {
+    nb::dict d;
+    d["bytes"] = s.bytes;
+    d["chunks"] = s.chunks;
+    d["retries"] = s.retries;
+    d["checksum_failures"] = s.checksum_failures;
+    d["reconnects"] = s.reconnects;
+    d["streams"] = s.streams;
+    d["elapsed_ms"] = s.elapsed_ms;
+    return d;
+}
+
+nb::dict to_dict(const tc::DataServerStats& s) {
+    nb::dict d;
+    d["bytes_sent"] = s.bytes_sent;
+    d["chunks_sent"] = s.chunks_sent;
+    d["active_connections"] = s.active_connections;
+    d["connections_accepted"] = s.connections_accepted;
+    d["connections_refused"] = s.connections_refused;
+    d["errors_sent"] = s.errors_sent;
+    return d;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
-    m.doc() = "tensorcast native core: tree hashing, parallel file reads and copies.";
+    m.doc() = "tensorcast native core: tree hashing, parallel file reads and copies, data plane.";
     m.attr("TREE_HASH_CHUNK_BYTES") = tc::kTreeHashChunkBytes;
     m.attr("TREE_HASH_VERSION") = tc::kTreeHashVersion;
 
@@ -66,6 +147,14 @@ NB_MODULE(_native, m) {
     nb::exception<tc::NativeError> native_error(m, "NativeError");
     nb::exception<tc::ShortFileError>(m, "ShortFileError", native_error);
     nb::exception<tc::IoError>(m, "IoError", native_error);
+    nb::exception<tc::TransferError> transfer_error(m, "TransferError", native_error);
+    nb::exception<tc::TransferTimeout> transfer_timeout(m, "TransferTimeout", transfer_error);
+    nb::exception<tc::TransferCancelled> transfer_cancelled(m, "TransferCancelled",
+                                                            transfer_error);
+    transfer_error_types = {transfer_error.ptr(), transfer_timeout.ptr(),
+                            transfer_cancelled.ptr()};
+    // Registered last, so tried first: adds `.reason` to the three above.
+    nb::register_exception_translator(translate_transfer_error);
 
     m.def(
         "hash_buffer",
@@ -135,4 +224,66 @@ NB_MODULE(_native, m) {
         },
         nb::arg("dest"), nb::arg("dest_offset"), nb::arg("source"), nb::arg("threads") = 0,
         "Copy all of source into dest[dest_offset:], in parallel for large sizes.");
+
+    m.attr("DATA_PLANE_DEFAULT_STREAMS") = tc::kDefaultPullStreams;
+    m.attr("DATA_PLANE_DEFAULT_CHUNK_BYTES") = tc::kDefaultPullChunkBytes;
+
+    nb::class_<CancelToken>(m, "CancelToken",
+                            "Pass as pull(cancel=...); cancel() from any thread stops the pull "
+                            "within ~50 ms with TransferCancelled.")
+        .def(nb::init<>())
+        .def("cancel", [](CancelToken& t) { t.flag = true; })
+        .def_prop_ro("cancelled", [](const CancelToken& t) { return t.flag.load(); });
+
+    nb::class_<PyDataServer>(m, "DataServer",
+                             "Serves ticketed reads of `base` (a buffer, e.g. the pool mmap) to "
+                             "pull() clients holding `token`. Thread-safe.")
+        .def(nb::init<const std::string&, uint16_t, nb::handle, const std::string&>(),
+             nb::arg("host"), nb::arg("port"), nb::arg("base"), nb::arg("token"))
+        .def_prop_ro("port", [](PyDataServer& s) { return s.server().port(); })
+        .def(
+            "open_ticket",
+            [](PyDataServer& s, uint64_t offset, uint64_t length, uint32_t ttl_ms) {
+                return s.server().open_ticket(offset, length, ttl_ms);
+            },
+            nb::arg("offset"), nb::arg("length"), nb::arg("ttl_ms"),
+            "Allow reads of base[offset:offset+length] for ttl_ms; returns the ticket id.")
+        .def(
+            "close_ticket", [](PyDataServer& s, uint64_t id) { s.server().close_ticket(id); },
+            nb::arg("id"))
+        .def(
+            "inject_corrupt_chunks",
+            [](PyDataServer& s, uint32_t n) { s.server().inject_corrupt_chunks(n); }, nb::arg("n"),
+            "Test hook: the next n DATA frames carry a wrong checksum.")
+        .def(
+            "inject_close_after_chunks",
+            [](PyDataServer& s, uint32_t n) { s.server().inject_close_after_chunks(n); },
+            nb::arg("n"), "Test hook: reset the connection that sends the n-th next chunk.")
+        .def("stats", [](PyDataServer& s) { return to_dict(s.server().stats()); })
+        .def("stop", &PyDataServer::stop,
+             "Close the listener and all connections, join threads, release base. Idempotent.");
+
+    m.def(
+        "pull",
+        [](const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
+           uint64_t source_offset, uint64_t length, nb::handle dest, uint64_t dest_offset,
+           uint32_t streams, uint64_t chunk_bytes, uint32_t timeout_ms, CancelToken* cancel) {
+            const BufferView view(dest, "dest", true);
+            check_fits("dest", dest_offset, length, view.size_bytes());
+            tc::PullStats stats;
+            {
+                nb::gil_scoped_release release;
+                stats = tc::pull(host, port, token, ticket, source_offset, length,
+                                 view.data() + dest_offset, streams, chunk_bytes, timeout_ms,
+                                 cancel != nullptr ? &cancel->flag : nullptr);
+            }
+            return to_dict(stats);
+        },
+        nb::arg("host"), nb::arg("port"), nb::arg("token"), nb::arg("ticket"),
+        nb::arg("source_offset"), nb::arg("length"), nb::arg("dest"), nb::arg("dest_offset"),
+        nb::arg("streams") = 0, nb::arg("chunk_bytes") = 0, nb::arg("timeout_ms") = 30000,
+        nb::kw_only(), nb::arg("cancel").none() = nb::none(),
+        "Pull length bytes at source_offset of a DataServer's pool into dest[dest_offset:] over "
+        "`streams` TCP connections; returns stats. Raises TransferError (.reason), "
+        "TransferTimeout, TransferCancelled.");
 }

@@ -13,6 +13,9 @@ NAME = "ls"
 
 def command(
     prefix: Annotated[str, typer.Argument(help="Only ids starting with this.")] = "",
+    replicas: Annotated[
+        bool, typer.Option("--replicas", help="One row per replica: worker, tier, pin.")
+    ] = False,
     state_dir: StateDirOpt = None,
     addr: AddrOpt = None,
     token: TokenOpt = None,
@@ -24,7 +27,27 @@ def command(
 
     with connect(state_dir, addr, token) as rt:
         infos = rt.list_artifacts(prefix)
+        workers = rt.workers()
     now = time.time()
+    if replicas:
+        names = {w.worker_id: w.name for w in workers}
+        rows = [
+            [
+                a.art_id,
+                names.get(r.worker_id, r.worker_id),
+                r.tier,
+                "yes" if r.pinned else "no",
+                format_size(a.size_bytes),
+            ]
+            for a in infos
+            for r in a.replicas
+        ]
+        emit(
+            as_json,
+            {"artifacts": [a.to_json() for a in infos]},
+            table(rows, ["ID", "WORKER", "TIER", "PINNED", "SIZE"]),
+        )
+        return
     rows = [
         [
             a.art_id,

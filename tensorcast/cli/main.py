@@ -6,7 +6,21 @@ import sys
 
 import typer
 
-from tensorcast.cli import down, get, ls, put, rm, show, status, store, up, worker
+from tensorcast.cli import (
+    down,
+    get,
+    ls,
+    pin,
+    prefetch,
+    put,
+    rm,
+    show,
+    status,
+    store,
+    unpin,
+    up,
+    worker,
+)
 from tensorcast.errors import TensorcastError
 
 app = typer.Typer(
@@ -17,7 +31,7 @@ app = typer.Typer(
     add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-for module in (up, down, status, put, get, ls, show, rm):
+for module in (up, down, status, put, get, ls, show, rm, prefetch, pin, unpin):
     app.command(name=module.NAME, help=module.__doc__)(module.command)
 app.add_typer(store.app, name="store")
 app.add_typer(worker.app, name="worker")

@@ -35,6 +35,14 @@ def command(
             show_default=False,
         ),
     ] = None,
+    on: Annotated[
+        str | None,
+        typer.Option(
+            "--on",
+            help="Worker to place it on (name or id) [default: same host, most free memory].",
+            show_default=False,
+        ),
+    ] = None,
     state_dir: StateDirOpt = None,
     addr: AddrOpt = None,
     token: TokenOpt = None,
@@ -52,7 +60,7 @@ def command(
     with connect(state_dir, addr, token) as rt:
         started = time.perf_counter()
         with progress_bar(total, f"put {art_id}", not as_json) as advance:
-            art = rt.put_files(art_id, path, ttl_s=ttl, progress=advance)
+            art = rt.put_files(art_id, path, ttl_s=ttl, worker=on, progress=advance)
         elapsed = time.perf_counter() - started
     info = art.info
     data = {**info.to_json(), "elapsed_s": round(elapsed, 4)}

@@ -27,12 +27,14 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("worker_id", "tier")
+    __slots__ = ("worker_id", "tier", "pinned")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     tier: str
-    def __init__(self, worker_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, worker_id: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class Artifact(_message.Message):
     __slots__ = ("art_id", "content_id", "owner", "size_bytes", "tensors", "created_at", "expires_at", "parent", "replicas")
@@ -57,7 +59,7 @@ class Artifact(_message.Message):
     def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., parent: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive")
+    __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive", "data_addr", "active_transfers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,8 @@ class Worker(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     addr: str
@@ -82,7 +86,9 @@ class Worker(_message.Message):
     registered_at: float
     heartbeat_age_s: float
     alive: bool
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., addr: _Optional[str] = ..., host_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., mem_cap_bytes: _Optional[int] = ..., mem_used_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., registered_at: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+    data_addr: str
+    active_transfers: int
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., addr: _Optional[str] = ..., host_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., mem_cap_bytes: _Optional[int] = ..., mem_used_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., registered_at: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., data_addr: _Optional[str] = ..., active_transfers: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -97,14 +103,18 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "mem_used_bytes", "content_ids")
+    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     mem_used_bytes: int
     content_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    pinned_content_ids: _containers.RepeatedScalarFieldContainer[str]
+    active_transfers: int
+    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("drop_content_ids",)
@@ -135,6 +145,14 @@ class AddReplicaRequest(_message.Message):
     size_bytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class RemoveReplicaRequest(_message.Message):
+    __slots__ = ("worker_id", "content_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    content_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ...) -> None: ...
 
 class FindContentRequest(_message.Message):
     __slots__ = ("content_id",)
@@ -260,16 +278,6 @@ class CommitReply(_message.Message):
     deduplicated: bool
     def __init__(self, content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
 
-class ReadRequest(_message.Message):
-    __slots__ = ("content_id", "offset_bytes", "length_bytes")
-    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
-    content_id: str
-    offset_bytes: int
-    length_bytes: int
-    def __init__(self, content_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
-
 class Chunk(_message.Message):
     __slots__ = ("offset_bytes", "data", "hash")
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -289,3 +297,63 @@ class WriteMessage(_message.Message):
     size_bytes: int
     chunk: Chunk
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., size_bytes: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class OpenTransferRequest(_message.Message):
+    __slots__ = ("content_id", "ttl_ms")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    ttl_ms: int
+    def __init__(self, content_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class TransferTicket(_message.Message):
+    __slots__ = ("ticket", "offset_bytes", "size_bytes", "data_addr", "tensors")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    offset_bytes: int
+    size_bytes: int
+    data_addr: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, ticket: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., data_addr: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class CloseTransferRequest(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    def __init__(self, ticket: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("content_id", "timeout_ms", "streams")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    timeout_ms: int
+    streams: int
+    def __init__(self, content_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ("already_present", "bytes_moved", "source_worker_id", "elapsed_s", "retries")
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    already_present: bool
+    bytes_moved: int
+    source_worker_id: str
+    elapsed_s: float
+    retries: int
+    def __init__(self, already_present: _Optional[bool] = ..., bytes_moved: _Optional[int] = ..., source_worker_id: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., retries: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("content_id", "pinned")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    pinned: bool
+    def __init__(self, content_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...

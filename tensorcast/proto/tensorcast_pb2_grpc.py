@@ -64,6 +64,11 @@ class GlobalStoreStub:
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.AddReplicaRequest.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
                 _registered_method=True)
+        self.RemoveReplica = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/RemoveReplica',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                _registered_method=True)
         self.FindContent = channel.unary_unary(
                 '/tensorcast.v1.GlobalStore/FindContent',
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.FindContentRequest.SerializeToString,
@@ -130,6 +135,12 @@ class GlobalStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AddReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveReplica(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -202,6 +213,11 @@ def add_GlobalStoreServicer_to_server(servicer, server):
             'AddReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.AddReplica,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.AddReplicaRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            ),
+            'RemoveReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveReplica,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaRequest.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
             ),
             'FindContent': grpc.unary_unary_rpc_method_handler(
@@ -408,6 +424,33 @@ class GlobalStore:
             _registered_method=True)
 
     @staticmethod
+    def RemoveReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/RemoveReplica',
+            tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def FindContent(request,
             target,
             options=(),
@@ -589,15 +632,30 @@ class WorkerServiceStub:
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ViewRequest.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.CommitReply.FromString,
                 _registered_method=True)
-        self.ReadChunks = channel.unary_stream(
-                '/tensorcast.v1.WorkerService/ReadChunks',
-                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ReadRequest.SerializeToString,
-                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Chunk.FromString,
-                _registered_method=True)
         self.WriteChunks = channel.stream_unary(
                 '/tensorcast.v1.WorkerService/WriteChunks',
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.WriteMessage.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.CommitReply.FromString,
+                _registered_method=True)
+        self.OpenTransfer = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/OpenTransfer',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.OpenTransferRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.TransferTicket.FromString,
+                _registered_method=True)
+        self.CloseTransfer = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/CloseTransfer',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.CloseTransferRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/Prefetch',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PrefetchReply.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/Pin',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PinRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -616,13 +674,31 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReadChunks(self, request, context):
+    def WriteChunks(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def WriteChunks(self, request_iterator, context):
+    def OpenTransfer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseTransfer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -641,15 +717,30 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ViewRequest.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.CommitReply.SerializeToString,
             ),
-            'ReadChunks': grpc.unary_stream_rpc_method_handler(
-                    servicer.ReadChunks,
-                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ReadRequest.FromString,
-                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Chunk.SerializeToString,
-            ),
             'WriteChunks': grpc.stream_unary_rpc_method_handler(
                     servicer.WriteChunks,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.WriteMessage.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.CommitReply.SerializeToString,
+            ),
+            'OpenTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTransfer,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.OpenTransferRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.TransferTicket.SerializeToString,
+            ),
+            'CloseTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseTransfer,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.CloseTransferRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PrefetchRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PrefetchReply.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PinRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -717,33 +808,6 @@ class WorkerService:
             _registered_method=True)
 
     @staticmethod
-    def ReadChunks(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/tensorcast.v1.WorkerService/ReadChunks',
-            tensorcast_dot_proto_dot_tensorcast__pb2.ReadRequest.SerializeToString,
-            tensorcast_dot_proto_dot_tensorcast__pb2.Chunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def WriteChunks(request_iterator,
             target,
             options=(),
@@ -760,6 +824,114 @@ class WorkerService:
             '/tensorcast.v1.WorkerService/WriteChunks',
             tensorcast_dot_proto_dot_tensorcast__pb2.WriteMessage.SerializeToString,
             tensorcast_dot_proto_dot_tensorcast__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/OpenTransfer',
+            tensorcast_dot_proto_dot_tensorcast__pb2.OpenTransferRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.TransferTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/CloseTransfer',
+            tensorcast_dot_proto_dot_tensorcast__pb2.CloseTransferRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/Prefetch',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PrefetchRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.PrefetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/Pin',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PinRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

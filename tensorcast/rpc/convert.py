@@ -27,6 +27,14 @@ def tensors_from_pb(ms: Iterable[pb.TensorMeta]) -> tuple[TensorMeta, ...]:
     return tuple(tensor_from_pb(m) for m in ms)
 
 
+def replica_to_pb(r: ReplicaInfo) -> pb.Replica:
+    return pb.Replica(worker_id=r.worker_id, tier=r.tier, pinned=r.pinned)
+
+
+def replica_from_pb(m: pb.Replica) -> ReplicaInfo:
+    return ReplicaInfo(m.worker_id, m.tier, m.pinned)
+
+
 def artifact_to_pb(a: ArtifactInfo) -> pb.Artifact:
     return pb.Artifact(
         art_id=a.art_id,
@@ -37,7 +45,7 @@ def artifact_to_pb(a: ArtifactInfo) -> pb.Artifact:
         created_at=a.created_at,
         expires_at=a.expires_at or 0.0,
         parent=a.parent,
-        replicas=[pb.Replica(worker_id=r.worker_id, tier=r.tier) for r in a.replicas],
+        replicas=[replica_to_pb(r) for r in a.replicas],
     )
 
 
@@ -51,7 +59,7 @@ def artifact_from_pb(m: pb.Artifact) -> ArtifactInfo:
         created_at=m.created_at,
         expires_at=m.expires_at or None,
         parent=m.parent,
-        replicas=tuple(ReplicaInfo(r.worker_id, r.tier) for r in m.replicas),
+        replicas=tuple(replica_from_pb(r) for r in m.replicas),
     )
 
 
@@ -69,6 +77,8 @@ def worker_to_pb(w: WorkerInfo) -> pb.Worker:
         registered_at=w.registered_at,
         heartbeat_age_s=w.heartbeat_age_s,
         alive=w.alive,
+        data_addr=w.data_addr,
+        active_transfers=w.active_transfers,
     )
 
 
@@ -86,4 +96,6 @@ def worker_from_pb(m: pb.Worker) -> WorkerInfo:
         registered_at=m.registered_at,
         heartbeat_age_s=m.heartbeat_age_s,
         alive=m.alive,
+        data_addr=m.data_addr,
+        active_transfers=m.active_transfers,
     )

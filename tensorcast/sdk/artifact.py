@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unavailable
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.types import ArtifactInfo, TensorMeta
+from tensorcast.types import ArtifactInfo, TensorMeta, WorkerInfo
 
 if TYPE_CHECKING:
     import torch
 
-    from tensorcast.sdk.runtime import Progress, Runtime
+    from tensorcast.sdk.runtime import Runtime
 
 SliceLike = slice | int | Sequence[slice]
 
@@ -49,21 +49,27 @@ class Artifact:
         return self
 
     def tensor_dict(
-        self, device: str = "cpu", *, progress: Progress | None = None
+        self, device: str = "cpu", *, timeout_s: float = 60.0
     ) -> dict[str, torch.Tensor]:
         """Materialize the tensors.
 
-        On a host with a worker holding the artifact: zero-copy, tensors over a private mapping of
-        the worker's shared memory (writes stay in the caller's copy, never reach the pool), valid
-        for as long as the caller keeps them, even if the artifact is deleted meanwhile.
-        Otherwise the bytes are pulled into this process's memory and verified against their hashes.
-        `device` other than "cpu" copies them there.
+        On a host with a worker: zero-copy, tensors over a private mapping of the worker's shared
+        memory (writes stay in the caller's copy, never reach the pool), valid for as long as the
+        caller keeps them, even if the artifact is deleted meanwhile. A same-host worker without
+        a replica first pulls one from a peer (and keeps it for the next caller). On a host with
+        no worker the bytes are pulled straight into this process's memory, checksummed per
+        chunk and verified against the tensor hashes. `device` other than "cpu" copies there.
         """
         info = self.refresh().info
+        sources = self.runtime.read_sources(info)
+        local = [w for w in self.runtime.workers() if w.alive and self.runtime.is_local(w)]
+        if local and not self.runtime.is_local(sources[0]):
+            self.prefetch(local[0], timeout_s=timeout_s)
+            sources = [local[0]]
         errors: list[str] = []
-        for worker in self.runtime.read_sources(info):
+        for worker in sources:
             try:
-                tensors = self._materialize(worker, info)
+                tensors = self._materialize(worker, info, timeout_s)
             except (NotFound, Unavailable) as e:  # replica just went away: try the next one
                 errors.append(f"{worker.name}: {e}")
                 continue
@@ -72,7 +78,9 @@ class Artifact:
             return tensors
         raise Unavailable(f"no replica of {self.art_id!r} could be read: {'; '.join(errors)}")
 
-    def _materialize(self, worker, info: ArtifactInfo) -> dict[str, torch.Tensor]:
+    def _materialize(
+        self, worker: WorkerInfo, info: ArtifactInfo, timeout_s: float
+    ) -> dict[str, torch.Tensor]:
         from tensorcast import tensors as tmod
         from tensorcast.errors import IntegrityError
         from tensorcast.transport import native
@@ -80,8 +88,25 @@ class Artifact:
         if self.runtime.is_local(worker):
             mm, base, metas = self.runtime.local_connection(worker).open(info.content_id)
             return tmod.tensors_over(mm, base, metas)
-        buffer = bytearray(info.size_bytes)
-        self.runtime.stream_read(worker, info.content_id, info.size_bytes, buffer)
+        stub = self.runtime.worker_stub(worker)
+        ticket = stub.call(
+            "OpenTransfer",
+            pb.OpenTransferRequest(content_id=info.content_id, ttl_ms=int(timeout_s * 1000)),
+        )
+        buffer = bytearray(ticket.size_bytes)
+        try:
+            native.pull(
+                ticket.data_addr,
+                self.runtime.token,
+                ticket.ticket,
+                ticket.offset_bytes,
+                ticket.size_bytes,
+                buffer,
+                0,
+                timeout_s=timeout_s,
+            )
+        finally:
+            stub.call("CloseTransfer", pb.CloseTransferRequest(ticket=ticket.ticket))
         view = memoryview(buffer)
         hashes = native.hash_buffers(
             [view[t.offset_bytes : t.offset_bytes + t.size_bytes] for t in info.tensors]
@@ -90,6 +115,40 @@ class Artifact:
             if t.hash_hex != h:
                 raise IntegrityError(f"tensor {t.name!r} of {self.art_id!r} arrived corrupt")
         return tmod.tensors_over(buffer, 0, info.tensors)
+
+    def prefetch(
+        self,
+        worker: str | WorkerInfo,
+        device: str = "cpu",
+        *,
+        timeout_s: float = 60.0,
+        streams: int = 0,
+    ) -> pb.PrefetchReply:
+        """Make `worker` hold a replica (pulled from the best peer; no-op if it has one)."""
+        if device != "cpu":
+            raise InvalidArgument(f"device {device!r}: only the cpu tier exists on this cluster")
+        target = worker if isinstance(worker, WorkerInfo) else self.runtime.resolve_worker(worker)
+        return self.runtime.worker_stub(target).call(
+            "Prefetch",
+            pb.PrefetchRequest(
+                content_id=self.content_id, timeout_ms=int(timeout_s * 1000), streams=streams
+            ),
+            timeout_s=timeout_s + 5.0,
+        )
+
+    def pin(self, worker: str | WorkerInfo, *, timeout_s: float = 60.0) -> None:
+        """Keep a replica on `worker` that eviction never drops (prefetched first if needed)."""
+        target = worker if isinstance(worker, WorkerInfo) else self.runtime.resolve_worker(worker)
+        self.prefetch(target, timeout_s=timeout_s)
+        self.runtime.worker_stub(target).call(
+            "Pin", pb.PinRequest(content_id=self.content_id, pinned=True)
+        )
+
+    def unpin(self, worker: str | WorkerInfo) -> None:
+        target = worker if isinstance(worker, WorkerInfo) else self.runtime.resolve_worker(worker)
+        self.runtime.worker_stub(target).call(
+            "Pin", pb.PinRequest(content_id=self.content_id, pinned=False)
+        )
 
     def view(self, slices: Mapping[str, SliceLike], name: str) -> Artifact:
         """A derived artifact `name`: every tensor, those named in `slices` sliced by the worker

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tensorcast import config
-from tensorcast.errors import InvalidArgument, Unavailable
+from tensorcast.errors import InvalidArgument, NotFound, Unavailable
+from tensorcast.placement import order_sources, order_targets
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
@@ -131,13 +132,20 @@ class Runtime:
     # -- artifacts -----------------------------------------------------------------------------
 
     def put(
-        self, tensors: Mapping[str, torch.Tensor], art_id: str, *, progress: Progress | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        art_id: str,
+        *,
+        worker: str | None = None,
+        progress: Progress | None = None,
     ) -> Artifact:
         """Copy tensors into the pool as a system-owned artifact (lives until deleted).
 
         Idempotent for the same content; `AlreadyExists` if `art_id` names other content.
+        `worker` (name or id) places the first replica; by default a same-host worker with the
+        most free memory.
         """
-        return self._store_tensors(tensors, art_id, OWNER_SYSTEM, 0.0, progress)
+        return self._store_tensors(tensors, art_id, OWNER_SYSTEM, 0.0, worker, progress)
 
     def register(
         self,
@@ -145,12 +153,13 @@ class Runtime:
         art_id: str,
         *,
         ttl_s: float,
+        worker: str | None = None,
         progress: Progress | None = None,
     ) -> Artifact:
         """A caller-leased artifact: gone `ttl_s` after creation unless renewed (`renew`)."""
         if not ttl_s > 0:
             raise InvalidArgument("ttl_s must be > 0")
-        return self._store_tensors(tensors, art_id, OWNER_LEASE, ttl_s, progress)
+        return self._store_tensors(tensors, art_id, OWNER_LEASE, ttl_s, worker, progress)
 
     def _store_tensors(
         self,
@@ -158,6 +167,7 @@ class Runtime:
         art_id: str,
         owner: str,
         ttl_s: float,
+        worker: str | None,
         progress: Progress | None,
     ) -> Artifact:
         from tensorcast import tensors as tmod
@@ -177,7 +187,7 @@ class Runtime:
         found = self.store.call("FindContent", pb.FindContentRequest(content_id=cid))
         if not (found.exists and found.replicas):
             filler = writes.buffer_filler(metas, sources)
-            cid = writes.write_content(self, metas, size, filler, progress).content_id
+            cid = writes.write_content(self, metas, size, filler, progress, worker).content_id
         return self._name(art_id, cid, owner, ttl_s, "")
 
     def put_files(
@@ -186,6 +196,7 @@ class Runtime:
         path: str | os.PathLike[str],
         *,
         ttl_s: float | None = None,
+        worker: str | None = None,
         progress: Progress | None = None,
     ) -> Artifact:
         """Put a safetensors file, or every safetensors file of a directory, as one artifact.
@@ -196,7 +207,7 @@ class Runtime:
         from tensorcast.sdk import writes
 
         metas, size, filler = writes.plan_files(path)
-        committed = writes.write_content(self, metas, size, filler, progress)
+        committed = writes.write_content(self, metas, size, filler, progress, worker)
         owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
         return self._name(art_id, committed.content_id, owner, ttl_s or 0.0, "")
 
@@ -237,46 +248,49 @@ class Runtime:
 
     # -- placement -----------------------------------------------------------------------------
 
-    def write_targets(self) -> list[WorkerInfo]:
-        """Live workers to write to: same host first, then most free memory."""
-        alive = [w for w in self.workers() if w.alive]
-        if not alive:
+    def write_targets(self, worker: str | None = None) -> list[WorkerInfo]:
+        """Live workers to write to: `worker` if named, else same host first, then most free
+        memory."""
+        if worker is not None:
+            return [self.resolve_worker(worker)]
+        targets = order_targets(self.workers(), self.host_id)
+        if not targets:
             raise Unavailable("no live worker in the cluster: start one (tc worker start / tc up)")
-        return sorted(
-            alive, key=lambda w: (not self.is_local(w), -(w.mem_cap_bytes - w.mem_used_bytes))
-        )
+        return targets
 
     def read_sources(self, info: ArtifactInfo) -> list[WorkerInfo]:
         """Live workers holding the artifact: same host first, then least loaded."""
-        by_id = {w.worker_id: w for w in self.workers() if w.alive}
-        holders = [by_id[r.worker_id] for r in info.replicas if r.worker_id in by_id]
-        if not holders:
+        sources = order_sources(info.replicas, self.workers(), self.host_id)
+        if not sources:
             raise Unavailable(
                 f"artifact {info.art_id!r} has no live replica (its workers are down)"
             )
-        return sorted(holders, key=lambda w: (not self.is_local(w), w.mem_used_bytes))
+        return sources
 
-    def stream_read(
+    def prefetch_many(
         self,
-        worker: WorkerInfo,
-        content_id: str,
-        size_bytes: int,
-        into: Any,
-        progress: Progress | None = None,
-    ) -> None:
-        """Pull a content from a remote worker into `into` (a writable buffer), chunk-verified."""
-        from tensorcast.errors import IntegrityError
-        from tensorcast.transport import native
+        artifacts: list[Artifact | str],
+        worker: str | WorkerInfo,
+        *,
+        timeout_s: float = 60.0,
+        concurrency: int = 4,
+    ) -> list[pb.PrefetchReply]:
+        """Prefetch several artifacts to one worker, `concurrency` at a time; in order."""
+        from concurrent.futures import ThreadPoolExecutor
 
-        stub = self.worker_stub(worker)
-        request = pb.ReadRequest(content_id=content_id, offset_bytes=0, length_bytes=size_bytes)
-        view = memoryview(into)
-        for chunk in stub.stream("ReadChunks", request):
-            if native.hash_buffer(chunk.data) != chunk.hash:
-                raise IntegrityError(f"chunk at {chunk.offset_bytes} from {worker.name} is corrupt")
-            view[chunk.offset_bytes : chunk.offset_bytes + len(chunk.data)] = chunk.data
-            if progress:
-                progress(len(chunk.data))
+        target = worker if isinstance(worker, WorkerInfo) else self.resolve_worker(worker)
+        arts = [a if not isinstance(a, str) else self.artifact(a) for a in artifacts]
+        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, 16))) as pool:
+            return list(pool.map(lambda a: a.prefetch(target, timeout_s=timeout_s), arts))
+
+    def resolve_worker(self, name_or_id: str) -> WorkerInfo:
+        """A live worker by name (worker-1) or id."""
+        for w in self.workers():
+            if name_or_id in (w.name, w.worker_id):
+                if not w.alive:
+                    raise Unavailable(f"worker {name_or_id!r} is dead (missed heartbeats)")
+                return w
+        raise NotFound(f"no worker {name_or_id!r} (see `tc status`)")
 
     def stream_write(
         self,

@@ -74,9 +74,10 @@ def write_content(
     size_bytes: int,
     fill: Filler,
     progress: Progress | None,
+    worker_name: str | None = None,
 ) -> Committed:
     last_error: Exception | None = None
-    for worker in runtime.write_targets():
+    for worker in runtime.write_targets(worker_name):
         try:
             if runtime.is_local(worker):
                 return _write_local(runtime, worker, metas, size_bytes, fill, progress)

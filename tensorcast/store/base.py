@@ -23,6 +23,7 @@ class WorkerRegistration:
     roles: tuple[str, ...]
     mem_cap_bytes: int
     pid: int
+    data_addr: str = ""
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,13 @@ class MetadataStore(Protocol):
     def register_worker(self, reg: WorkerRegistration, now: float) -> None: ...
     def deregister_worker(self, worker_id: str) -> None: ...
     def heartbeat(
-        self, worker_id: str, mem_used_bytes: int, content_ids: list[str], now: float
+        self,
+        worker_id: str,
+        mem_used_bytes: int,
+        content_ids: list[str],
+        now: float,
+        pinned_content_ids: frozenset[str] = frozenset(),
+        active_transfers: int = 0,
     ) -> list[str]:
         """Record liveness and reconcile the worker's inventory; returns contents to drop."""
         ...
@@ -51,6 +58,7 @@ class MetadataStore(Protocol):
         tensors: tuple[TensorMeta, ...],
         now: float,
     ) -> None: ...
+    def remove_replica(self, worker_id: str, content_id: str) -> None: ...
     def find_content(self, content_id: str, now: float) -> ContentInfo | None: ...
     def create_artifact(
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str, now: float

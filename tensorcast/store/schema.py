@@ -77,7 +77,14 @@ def _v1(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS = (_v1,)
+def _v2(db: sqlite_utils.Database) -> None:
+    """The data plane: workers advertise a native transport address and their load; pins."""
+    db.table("workers").add_column("data_addr", str, not_null_default="")
+    db.table("workers").add_column("active_transfers", int, not_null_default=0)
+    db.table("replicas").add_column("pinned", int, not_null_default=0)
+
+
+MIGRATIONS = (_v1, _v2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

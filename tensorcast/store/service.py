@@ -9,6 +9,7 @@ from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.convert import (
     artifact_to_pb,
+    replica_to_pb,
     tensor_to_pb,
     tensors_from_pb,
     worker_to_pb,
@@ -47,6 +48,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
                 roles=tuple(w.roles),
                 mem_cap_bytes=w.mem_cap_bytes,
                 pid=w.pid,
+                data_addr=w.data_addr,
             ),
             time.time(),
         )
@@ -58,7 +60,12 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
 
     def Heartbeat(self, request, context):
         drop = self.store.heartbeat(
-            request.worker_id, request.mem_used_bytes, list(request.content_ids), time.time()
+            request.worker_id,
+            request.mem_used_bytes,
+            list(request.content_ids),
+            time.time(),
+            frozenset(request.pinned_content_ids),
+            request.active_transfers,
         )
         return pb.HeartbeatReply(drop_content_ids=drop)
 
@@ -76,13 +83,17 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         )
         return pb.Empty()
 
+    def RemoveReplica(self, request, context):
+        self.store.remove_replica(request.worker_id, request.content_id)
+        return pb.Empty()
+
     def FindContent(self, request, context):
         info = self.store.find_content(request.content_id, time.time())
         if info is None:
             return pb.FindContentReply(exists=False)
         return pb.FindContentReply(
             exists=True,
-            replicas=[pb.Replica(worker_id=r.worker_id, tier=r.tier) for r in info.replicas],
+            replicas=[replica_to_pb(r) for r in info.replicas],
             tensors=[tensor_to_pb(t) for t in info.tensors],
         )
 

@@ -79,6 +79,8 @@ class SqliteStore:
                     "pid": reg.pid,
                     "registered_at": now,
                     "last_heartbeat": now,
+                    "data_addr": reg.data_addr,
+                    "active_transfers": 0,
                 },
                 pk="worker_id",
             )
@@ -89,12 +91,19 @@ class SqliteStore:
             self.db.execute("DELETE FROM workers WHERE worker_id = ?", [worker_id])
 
     def heartbeat(
-        self, worker_id: str, mem_used_bytes: int, content_ids: list[str], now: float
+        self,
+        worker_id: str,
+        mem_used_bytes: int,
+        content_ids: list[str],
+        now: float,
+        pinned_content_ids: frozenset[str] = frozenset(),
+        active_transfers: int = 0,
     ) -> list[str]:
         with self._lock, self.db.conn:
             cursor = self.db.execute(
-                "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ? WHERE worker_id = ?",
-                [now, mem_used_bytes, worker_id],
+                "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ?, active_transfers = ? "
+                "WHERE worker_id = ?",
+                [now, mem_used_bytes, active_transfers, worker_id],
             )
             if cursor.rowcount == 0:
                 raise NotFound(f"worker {worker_id} is not registered")
@@ -102,8 +111,10 @@ class SqliteStore:
             held = set(content_ids)
             for content_id in known:
                 self.db.execute(
-                    "INSERT OR IGNORE INTO replicas VALUES (?, ?, 'cpu', ?)",
-                    [content_id, worker_id, now],
+                    "INSERT INTO replicas (content_id, worker_id, tier, created_at, pinned) "
+                    "VALUES (?, ?, 'cpu', ?, ?) ON CONFLICT (content_id, worker_id, tier) "
+                    "DO UPDATE SET pinned = excluded.pinned",
+                    [content_id, worker_id, now, int(content_id in pinned_content_ids)],
                 )
             # The worker no longer holds these (it restarted or dropped them): forget them.
             for (content_id,) in self.db.execute(
@@ -147,6 +158,8 @@ class SqliteStore:
             registered_at=r["registered_at"],
             heartbeat_age_s=age,
             alive=age <= self.heartbeat_ttl_s,
+            data_addr=r["data_addr"],
+            active_transfers=r["active_transfers"],
         )
 
     # -- contents and replicas -----------------------------------------------------------------
@@ -169,8 +182,16 @@ class SqliteStore:
                 [content_id, size_bytes, json.dumps([t.to_json() for t in tensors]), now],
             )
             self.db.execute(
-                "INSERT OR IGNORE INTO replicas VALUES (?, ?, 'cpu', ?)",
+                "INSERT OR IGNORE INTO replicas (content_id, worker_id, tier, created_at) "
+                "VALUES (?, ?, 'cpu', ?)",
                 [content_id, worker_id, now],
+            )
+
+    def remove_replica(self, worker_id: str, content_id: str) -> None:
+        with self._lock, self.db.conn:
+            self.db.execute(
+                "DELETE FROM replicas WHERE worker_id = ? AND content_id = ?",
+                [worker_id, content_id],
             )
 
     def find_content(self, content_id: str, now: float) -> ContentInfo | None:
@@ -186,11 +207,11 @@ class SqliteStore:
 
     def _live_replicas(self, content_id: str, now: float) -> tuple[ReplicaInfo, ...]:
         rows = self.db.execute(
-            "SELECT r.worker_id, r.tier FROM replicas r JOIN workers w USING (worker_id) "
+            "SELECT r.worker_id, r.tier, r.pinned FROM replicas r JOIN workers w USING (worker_id) "
             "WHERE r.content_id = ? AND w.last_heartbeat >= ? ORDER BY r.created_at",
             [content_id, now - self.heartbeat_ttl_s],
         ).fetchall()
-        return tuple(ReplicaInfo(w, t) for w, t in rows)
+        return tuple(ReplicaInfo(w, t, bool(p)) for w, t, p in rows)
 
     # -- artifacts -----------------------------------------------------------------------------
 

@@ -44,3 +44,49 @@ def read_file_into(
 def copy_into(dest: Any, dest_offset: int, source: Any, threads: int = 0) -> None:
     """memcpy split across threads, GIL released."""
     _native.copy_into(dest, dest_offset, source, threads)
+
+
+def data_server(host: str, base: Any, token: str, port: int = 0) -> Any:
+    """The worker's native data server over `base` (its pool mapping); serves ticketed ranges."""
+    return _native.DataServer(host, port, base, token)
+
+
+def pull(
+    data_addr: str,
+    token: str,
+    ticket: int,
+    source_offset: int,
+    length: int,
+    dest: Any,
+    dest_offset: int,
+    *,
+    streams: int = 0,
+    timeout_s: float = 30.0,
+) -> dict:
+    """Pull [source_offset, +length) of a peer's pool into `dest` over parallel TCP streams.
+
+    Chunks are checksummed and retried on another stream; raises `DeadlineExceeded` past
+    `timeout_s`, `Unavailable` when the source cannot serve (try another replica).
+    """
+    from tensorcast.errors import DeadlineExceeded, Unavailable
+
+    host, _, port = data_addr.rpartition(":")
+    try:
+        return dict(
+            _native.pull(
+                host,
+                int(port),
+                token,
+                ticket,
+                source_offset,
+                length,
+                dest,
+                dest_offset,
+                streams=streams,
+                timeout_ms=max(1, int(timeout_s * 1000)),
+            )
+        )
+    except _native.TransferTimeout as e:
+        raise DeadlineExceeded(f"transfer from {data_addr} timed out: {e}") from None
+    except _native.TransferError as e:
+        raise Unavailable(f"transfer from {data_addr} failed: {e}") from None

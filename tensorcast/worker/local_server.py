@@ -120,7 +120,7 @@ class _Session:
                 pool.release(self.holds.pop(hold_id))
             return {"ok": True}
         if op == "reserve":
-            res = pool.reserve(int(m["size_bytes"]))
+            res = self.node.reserve(int(m["size_bytes"]))
             self.reservations.add(res.reservation_id)
             return {"ok": True, "reservation_id": res.reservation_id, "offset": res.offset}
         if op == "commit":

@@ -8,15 +8,16 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from tensorcast.config import host_id
-from tensorcast.errors import NotFound, TensorcastError
+from tensorcast.errors import NotFound, ResourceExhausted, TensorcastError
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
 from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
 from tensorcast.types import Committed, TensorMeta
-from tensorcast.worker.pool import Pool
+from tensorcast.worker.pool import Pool, Reservation
 
 log = logging.getLogger("tensorcast.worker")
 
@@ -40,6 +41,9 @@ class WorkerNode:
         self.host_id = host_id()
         self.token = token
         self.addr = ""
+        self.data_addr = ""
+        # Outgoing transfers in flight (set by the transfer service): the load peers see.
+        self.active_transfers: Callable[[], int] = lambda: 0
         self.store_addr = store_addr
         self._channel = make_channel(store_addr)
         self.store = Stub(
@@ -68,22 +72,55 @@ class WorkerNode:
                     roles=list(self.roles),
                     mem_cap_bytes=stats.capacity_bytes,
                     pid=os.getpid(),
+                    data_addr=self.data_addr,
                 )
             ),
         )
         return reply.heartbeat_ttl_s
 
+    def reserve(self, size_bytes: int) -> Reservation:
+        """A pool region, evicting least recently used replicas when the pool is full.
+
+        Only unpinned, unmapped replicas that another live worker also holds are evicted: the
+        last replica of an artifact is never dropped silently (ResourceExhausted instead).
+        """
+        try:
+            return self.pool.reserve(size_bytes)
+        except ResourceExhausted as full:
+            error = full
+        for content_id in self.pool.eviction_candidates():
+            found = self.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
+            if found.exists and not any(r.worker_id != self.worker_id for r in found.replicas):
+                continue  # the last copy
+            if self.pool.drop(content_id):
+                log.info("evicted content %s to make room", content_id)
+                self.store.call(
+                    "RemoveReplica",
+                    pb.RemoveReplicaRequest(worker_id=self.worker_id, content_id=content_id),
+                )
+            try:
+                return self.pool.reserve(size_bytes)
+            except ResourceExhausted as still_full:
+                error = still_full
+        raise ResourceExhausted(
+            f"{error} (nothing evictable: the rest is pinned, in use, or the last copy)"
+        )
+
     def commit(
-        self, reservation_id: int, tensors: list[TensorMeta], verify_hashes: bool = False
+        self,
+        reservation_id: int,
+        tensors: list[TensorMeta],
+        verify_hashes: bool = False,
+        replica: bool = False,
     ) -> Committed:
         """Turn a written reservation into content known to the Global Store.
 
-        If another live worker already holds identical content, ours is dropped: identical
-        content is stored once in the cluster.
+        New content (`replica=False`) that another live worker already holds is dropped here:
+        identical content is stored once. A `replica` is a deliberate extra copy (prefetch).
         """
         result = self.pool.commit(reservation_id, tensors, verify_hashes)
         content = result.content
-        if not result.deduplicated:
+        if not result.deduplicated and not replica:
             found = self.store.call(
                 "FindContent", pb.FindContentRequest(content_id=content.content_id)
             )
@@ -95,6 +132,7 @@ class WorkerNode:
                     tensors_from_pb(found.tensors),
                     True,
                 )
+        if not result.deduplicated:
             try:
                 self.store.call(
                     "AddReplica",
@@ -120,6 +158,8 @@ class WorkerNode:
             worker_id=self.worker_id,
             mem_used_bytes=stats.used_bytes,
             content_ids=stats.content_ids,
+            pinned_content_ids=stats.pinned_content_ids,
+            active_transfers=self.active_transfers(),
         )
         try:
             reply = self.store.call("Heartbeat", request)
@@ -131,16 +171,19 @@ class WorkerNode:
             if self.pool.drop(content_id, unless_committed_after=sent_at):
                 log.info("dropped content %s (no artifact references it)", content_id)
 
-    def heartbeat_loop(self, interval_s: float) -> None:
+    def heartbeat_loop(self, interval_s: float, on_tick: Callable[[], None]) -> None:
         while not self._stop.wait(interval_s):
+            on_tick()
             try:
                 self.heartbeat_once()
             except TensorcastError as e:
                 log.warning("heartbeat failed: %s", e)
 
-    def start_heartbeats(self, interval_s: float) -> threading.Thread:
+    def start_heartbeats(
+        self, interval_s: float, on_tick: Callable[[], None] = lambda: None
+    ) -> threading.Thread:
         thread = threading.Thread(
-            target=self.heartbeat_loop, args=(interval_s,), name="heartbeat", daemon=True
+            target=self.heartbeat_loop, args=(interval_s, on_tick), name="heartbeat", daemon=True
         )
         thread.start()
         return thread

@@ -31,6 +31,8 @@ class Content:
     registered: bool = False  # the Global Store knows about it
     holds: int = 0
     dropped: bool = False
+    pinned: bool = False  # never evicted
+    last_used: float = 0.0  # for LRU eviction
 
 
 @dataclass
@@ -55,6 +57,7 @@ class PoolStats:
     num_holds: int
     num_reservations: int
     content_ids: list[str] = field(default_factory=list)
+    pinned_content_ids: list[str] = field(default_factory=list)
 
 
 class Pool:
@@ -139,7 +142,8 @@ class Pool:
             if existing is not None:
                 self._alloc.free(res.offset)
                 return CommitResult(existing, True)
-            content = Content(cid, res.offset, res.size_bytes, metas, time.time())
+            now = time.time()
+            content = Content(cid, res.offset, res.size_bytes, metas, now, last_used=now)
             self._contents[cid] = content
             return CommitResult(content, False)
 
@@ -158,6 +162,7 @@ class Pool:
             if content is None:
                 raise NotFound(f"this worker holds no content {content_id}")
             content.holds += 1
+            content.last_used = time.time()
             return content
 
     def release(self, content: Content) -> None:
@@ -169,6 +174,19 @@ class Pool:
                 self._alloc.free(content.offset)
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    def set_pinned(self, content_id: str, pinned: bool) -> None:
+        with self._lock:
+            content = self._contents.get(content_id)
+            if content is None:
+                raise NotFound(f"this worker holds no content {content_id}: prefetch it first")
+            content.pinned = pinned
+
+    def eviction_candidates(self) -> list[str]:
+        """Unpinned contents nobody maps right now, least recently used first."""
+        with self._lock:
+            idle = [c for c in self._contents.values() if not c.pinned and c.holds == 0]
+            return [c.content_id for c in sorted(idle, key=lambda c: c.last_used)]
 
     def mark_registered(self, content_id: str) -> None:
         with self._lock:
@@ -199,6 +217,7 @@ class Pool:
                 num_holds=sum(c.holds for c in live + self._draining),
                 num_reservations=len(self._reservations),
                 content_ids=[c.content_id for c in live if c.registered],
+                pinned_content_ids=[c.content_id for c in live if c.registered and c.pinned],
             )
 
 

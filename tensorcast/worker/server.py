@@ -9,13 +9,16 @@ import threading
 
 import psutil
 
+from tensorcast.config import fault_injection
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
+from tensorcast.transport import native
 from tensorcast.worker.local_server import LocalServer
 from tensorcast.worker.node import ROLES, WorkerNode
 from tensorcast.worker.pool import Pool
 from tensorcast.worker.service import WorkerService
+from tensorcast.worker.transfers import Transfers
 
 log = logging.getLogger("tensorcast.worker")
 
@@ -55,13 +58,22 @@ def serve(
     pool = Pool(mem_bytes)
     node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s)
     server = make_server(token)
-    pb_grpc.add_WorkerServiceServicer_to_server(WorkerService(node), server)
+    host = listen.rpartition(":")[0]
+    data_server = native.data_server(host, pool.mm, token)
+    faults = fault_injection()
+    if faults.corrupt_chunks:
+        data_server.inject_corrupt_chunks(faults.corrupt_chunks)
+    if faults.close_after_chunks:
+        data_server.inject_close_after_chunks(faults.close_after_chunks)
+    transfers = Transfers(node, data_server)
+    pb_grpc.add_WorkerServiceServicer_to_server(WorkerService(node, transfers), server)
     node.addr = advertised(bind(server, listen))
+    node.data_addr = advertised(f"{host}:{data_server.port}")
     server.start()
     local = LocalServer(node)
     local.start()
     node.register()
-    node.start_heartbeats(heartbeat_interval_s)
+    node.start_heartbeats(heartbeat_interval_s, on_tick=transfers.expire)
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -80,5 +92,6 @@ def serve(
     stop.wait()
     log.info("worker %s stopping", node.name)
     local.close()
+    data_server.stop()
     node.stop()
     server.stop(grace=0.5).wait(5)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tensorcast.config import STREAM_CHUNK_BYTES
 from tensorcast.errors import IntegrityError, InvalidArgument
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
@@ -10,6 +9,7 @@ from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
 from tensorcast.transport import native
 from tensorcast.types import Committed
 from tensorcast.worker.node import WorkerNode
+from tensorcast.worker.transfers import Transfers
 
 
 def _commit_reply(c: Committed) -> pb.CommitReply:
@@ -22,8 +22,9 @@ def _commit_reply(c: Committed) -> pb.CommitReply:
 
 
 class WorkerService(pb_grpc.WorkerServiceServicer):
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: WorkerNode, transfers: Transfers) -> None:
         self.node = node
+        self.transfers = transfers
 
     def Status(self, request, context):
         stats = self.node.pool.stats()
@@ -58,7 +59,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 raise InvalidArgument("a tensor is sliced twice in one view")
             targets = plan_view(source.tensors, slices)
             size = max((t.offset_bytes + t.size_bytes for t in targets), default=0)
-            res = pool.reserve(size)
+            res = self.node.reserve(size)
             try:
                 copy_slices(
                     pool.region(source.offset, source.size_bytes),
@@ -74,29 +75,12 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         finally:
             pool.release(source)
 
-    def ReadChunks(self, request, context):
-        pool = self.node.pool
-        content = pool.hold(request.content_id)
-        try:
-            end = request.offset_bytes + request.length_bytes
-            if end > content.size_bytes:
-                raise InvalidArgument(
-                    f"read of [{request.offset_bytes}, {end}) is beyond the content "
-                    f"({content.size_bytes} bytes)"
-                )
-            region = pool.region(content.offset, content.size_bytes)
-            for start in range(request.offset_bytes, end, STREAM_CHUNK_BYTES):
-                data = bytes(region[start : min(end, start + STREAM_CHUNK_BYTES)])
-                yield pb.Chunk(offset_bytes=start, data=data, hash=native.hash_buffer(data))
-        finally:
-            pool.release(content)
-
     def WriteChunks(self, request_iterator, context):
         pool = self.node.pool
         first = next(request_iterator, None)
         if first is None:
             raise InvalidArgument("a write starts with the layout message")
-        res = pool.reserve(first.size_bytes)
+        res = self.node.reserve(first.size_bytes)
         try:
             region = pool.region(res.offset, res.size_bytes)
             written = 0
@@ -119,3 +103,33 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         tensors = list(tensors_from_pb(first.tensors))
         verify = all(t.hash_hex for t in tensors)
         return _commit_reply(self.node.commit(res.reservation_id, tensors, verify))
+
+    def OpenTransfer(self, request, context):
+        ticket, content = self.transfers.open(request.content_id, request.ttl_ms)
+        return pb.TransferTicket(
+            ticket=ticket,
+            offset_bytes=content.offset,
+            size_bytes=content.size_bytes,
+            data_addr=self.node.data_addr,
+            tensors=[tensor_to_pb(t) for t in content.tensors],
+        )
+
+    def CloseTransfer(self, request, context):
+        self.transfers.close(request.ticket)
+        return pb.Empty()
+
+    def Prefetch(self, request, context):
+        timeout_s = (request.timeout_ms or 60_000) / 1000
+        result = self.transfers.prefetch(request.content_id, timeout_s, request.streams)
+        return pb.PrefetchReply(
+            already_present=result.already_present,
+            bytes_moved=result.bytes_moved,
+            source_worker_id=result.source_worker_id,
+            elapsed_s=result.elapsed_s,
+            retries=result.retries,
+        )
+
+    def Pin(self, request, context):
+        self.node.pool.set_pinned(request.content_id, request.pinned)
+        self.node.heartbeat_once()  # the store lists the pin now, not a heartbeat later
+        return pb.Empty()

@@ -2,24 +2,11 @@
 #pragma once
 
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 
+#include "tensorcast/errors.h"  // ShortFileError, IoError
+
 namespace tc {
-
-struct NativeError : std::runtime_error {
-    using std::runtime_error::runtime_error;
-};
-
-// The file ends before the requested range does.
-struct ShortFileError : NativeError {
-    using NativeError::NativeError;
-};
-
-// open/fstat/pread failed; the message carries the path and strerror.
-struct IoError : NativeError {
-    using NativeError::NativeError;
-};
 
 constexpr uint64_t kDefaultReadBlockBytes = 8ull << 20;
 

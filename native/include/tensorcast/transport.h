@@ -1,0 +1,97 @@
+// Data plane: bulk worker-to-worker transfer of shared-memory ranges over
+// several parallel TCP streams (wire format in frame.h).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "tensorcast/errors.h"
+
+namespace tc {
+
+constexpr uint32_t kDefaultPullStreams = 4;
+constexpr uint32_t kMaxPullStreams = 64;
+constexpr uint64_t kDefaultPullChunkBytes = 4ull << 20;
+constexpr uint32_t kMaxReadsInFlight = 4;  // per connection
+constexpr uint32_t kMaxChunkRetries = 3;
+constexpr uint32_t kMaxReconnects = 2;     // per pull, once every connection has died
+constexpr uint32_t kMaxServerConnections = 256;
+
+struct DataServerStats {
+    uint64_t bytes_sent = 0;         // DATA payload bytes fully handed to the kernel
+    uint64_t chunks_sent = 0;
+    uint64_t active_connections = 0;
+    uint64_t connections_accepted = 0;
+    uint64_t connections_refused = 0;  // over kMaxServerConnections
+    uint64_t errors_sent = 0;          // ERROR frames (bad token, ticket, protocol, ...)
+};
+
+// Serves READs of [base, base + size_bytes) to authenticated clients, one
+// thread per connection plus an accept thread. The memory must stay mapped
+// until stop() has returned (or the destructor has run). All methods are
+// thread-safe.
+class DataServer {
+public:
+    // host: numeric address or name to bind ("0.0.0.0", "::", "127.0.0.1");
+    // port 0 picks an ephemeral port. Throws IoError if it cannot listen and
+    // std::invalid_argument for an empty or oversize (> 1 KiB) token.
+    DataServer(const std::string& host, uint16_t port, const uint8_t* base, uint64_t size_bytes,
+               std::string token);
+    ~DataServer();  // stop()
+    DataServer(const DataServer&) = delete;
+    DataServer& operator=(const DataServer&) = delete;
+
+    uint16_t port() const;
+
+    // Only ranges inside a live ticket can be read. Returns a random non-zero
+    // id; throws std::invalid_argument if the range is outside the pool or
+    // ttl_ms is 0. Expiry is checked when the ticket is used.
+    uint64_t open_ticket(uint64_t offset, uint64_t length_bytes, uint32_t ttl_ms);
+    void close_ticket(uint64_t id);  // unknown ids are ignored
+
+    // Test hooks. The next n DATA frames (any connection) carry a checksum with
+    // one bit flipped. The memory itself is never touched.
+    void inject_corrupt_chunks(uint32_t n);
+    // The connection that sends the n-th next DATA frame resets (RST) right
+    // after it. n = 0 disarms.
+    void inject_close_after_chunks(uint32_t n);
+
+    DataServerStats stats() const;
+
+    // Closes the listener and every connection and joins all threads; every
+    // wait inside them is bounded by a stop signal, so this returns promptly.
+    // Idempotent.
+    void stop();
+
+    struct Impl;
+
+private:
+    std::unique_ptr<Impl> impl_;
+};
+
+struct PullStats {
+    uint64_t bytes = 0;              // verified payload bytes written to dest
+    uint64_t chunks = 0;             // verified chunks
+    uint64_t retries = 0;            // chunk re-queues (checksum or connection loss)
+    uint64_t checksum_failures = 0;
+    uint64_t reconnects = 0;
+    uint64_t streams = 0;            // connections opened at start
+    uint64_t elapsed_ms = 0;
+};
+
+// Pulls [source_offset, source_offset + length_bytes) of the server's pool into
+// dest[0, length_bytes) over `streams` connections (0 = kDefaultPullStreams),
+// in chunks of chunk_bytes (0 = kDefaultPullChunkBytes, max 64 MiB). Every
+// chunk is verified (XXH3-64) and retried on another connection on mismatch or
+// connection loss. Throws TransferTimeout after timeout_ms (0 = no deadline is
+// not allowed: std::invalid_argument), TransferCancelled once *cancel becomes
+// true (polled every <= 50 ms; cancel may be null), TransferError otherwise.
+// Returns or throws only after every thread it started has been joined, so no
+// byte of dest is written after it returns. On failure dest holds garbage.
+PullStats pull(const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
+               uint64_t source_offset, uint64_t length_bytes, uint8_t* dest, uint32_t streams,
+               uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel);
+
+}  // namespace tc

@@ -1,0 +1,386 @@
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "net.h"
+#include "tensorcast/frame.h"
+#include "tensorcast/transport.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace tc {
+namespace {
+
+using net::Clock;
+
+constexpr int kHandshakeTimeoutMs = 10'000;      // HELLO must arrive this soon
+constexpr int kIdleTimeoutMs = 300'000;          // no READ for this long: close
+constexpr int kSendStallTimeoutMs = 30'000;      // client stopped reading
+constexpr size_t kTicketSweepThreshold = 4096;   // prune expired tickets above this
+constexpr int kListenBacklog = 512;
+
+uint64_t random_u64() {
+    uint64_t value = 0;
+    uint8_t* p = reinterpret_cast<uint8_t*>(&value);
+    size_t filled = 0;
+    while (filled < sizeof value) {
+        const ssize_t n = ::getrandom(p + filled, sizeof value - filled, 0);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            throw IoError(std::string("getrandom failed: ") + std::strerror(errno));
+        }
+        filled += size_t(n);
+    }
+    return value;
+}
+
+// Constant-time in the content of both strings (length differences still
+// show, which leaks nothing useful: the token length is not secret).
+bool tokens_equal(const std::string& expected, const uint8_t* given, size_t given_bytes) {
+    unsigned diff = expected.size() == given_bytes ? 0u : 1u;
+    const size_t n = std::max(expected.size(), given_bytes);
+    for (size_t i = 0; i < n; ++i) {
+        const uint8_t x = i < expected.size() ? uint8_t(expected[i]) : 0;
+        const uint8_t y = i < given_bytes ? given[i] : 0;
+        diff |= unsigned(x ^ y);
+    }
+    return diff == 0;
+}
+
+// Atomically takes one unit from a countdown; returns the value before, or 0.
+uint32_t take_one(std::atomic<uint32_t>& counter) {
+    uint32_t value = counter.load();
+    while (value != 0 && !counter.compare_exchange_weak(value, value - 1)) {
+    }
+    return value;
+}
+
+struct Ticket {
+    uint64_t offset;
+    uint64_t length_bytes;
+    Clock::time_point expires;
+};
+
+struct Connection {
+    net::Fd fd;
+    std::thread thread;
+    std::atomic<bool> finished{false};
+};
+
+}  // namespace
+
+struct DataServer::Impl {
+    const uint8_t* base;
+    uint64_t size_bytes;
+    std::string token;
+    net::Fd listener;
+    net::Fd wake;  // written once by stop(); wakes every poll of every thread
+    uint16_t port = 0;
+
+    std::mutex tickets_mutex;
+    std::unordered_map<uint64_t, Ticket> tickets;
+
+    std::mutex connections_mutex;
+    std::list<std::unique_ptr<Connection>> connections;
+    std::thread accept_thread;
+    std::once_flag stop_once;
+
+    std::atomic<uint32_t> corrupt_countdown{0};
+    std::atomic<uint32_t> close_countdown{0};
+    std::atomic<uint64_t> bytes_sent{0}, chunks_sent{0}, active{0}, accepted{0}, refused{0},
+        errors_sent{0};
+
+    void accept_loop();
+    void reap_finished();  // connections_mutex held
+    void serve(Connection* connection);
+    // Outcome of a ticket check for one READ.
+    frame::ErrorCode check_read(uint64_t ticket, uint64_t offset, uint64_t length_bytes,
+                                bool* ok);
+    bool send_error(int fd, uint64_t request_id, frame::ErrorCode code, const std::string& text);
+};
+
+DataServer::DataServer(const std::string& host, uint16_t port, const uint8_t* base,
+                       uint64_t size_bytes, std::string token)
+    : impl_(std::make_unique<Impl>()) {
+    if (token.empty() || token.size() > frame::kMaxTokenBytes)
+        throw std::invalid_argument("DataServer: token must be 1..1024 bytes");
+    if (base == nullptr && size_bytes != 0)
+        throw std::invalid_argument("DataServer: null base with non-zero size");
+    Impl& s = *impl_;
+    s.base = base;
+    s.size_bytes = size_bytes;
+    s.token = std::move(token);
+    s.wake = net::make_wake_fd();
+
+    std::string error;
+    const auto addresses = net::resolve(host, port, true, &error);
+    if (addresses.empty()) throw IoError("DataServer: " + error);
+    int last_errno = 0;
+    const char* last_call = "socket";
+    for (const auto& address : addresses) {
+        net::Fd fd(::socket(address.family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        if (!fd.valid()) {
+            last_errno = errno;
+            continue;
+        }
+        const int one = 1;
+        ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        // Accepted sockets inherit these; buffer sizes must precede the handshake.
+        net::tune_socket(fd.get());
+        if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&address.storage),
+                   address.size_bytes) != 0) {
+            last_errno = errno;
+            last_call = "bind";
+            continue;
+        }
+        if (::listen(fd.get(), kListenBacklog) != 0) {
+            last_errno = errno;
+            last_call = "listen";
+            continue;
+        }
+        s.listener = std::move(fd);
+        break;
+    }
+    if (!s.listener.valid())
+        throw IoError("DataServer: " + std::string(last_call) + " " + net::describe(host, port) +
+                      " failed: " + std::strerror(last_errno));
+    sockaddr_storage bound{};
+    socklen_t bound_size = sizeof bound;
+    ::getsockname(s.listener.get(), reinterpret_cast<sockaddr*>(&bound), &bound_size);
+    s.port = bound.ss_family == AF_INET6
+                 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                 : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    net::set_nonblocking(s.listener.get());
+    s.accept_thread = std::thread([&s] { s.accept_loop(); });
+}
+
+DataServer::~DataServer() { stop(); }
+
+uint16_t DataServer::port() const { return impl_->port; }
+
+uint64_t DataServer::open_ticket(uint64_t offset, uint64_t length_bytes, uint32_t ttl_ms) {
+    Impl& s = *impl_;
+    if (offset > s.size_bytes || length_bytes > s.size_bytes - offset)
+        throw std::invalid_argument("open_ticket: range [" + std::to_string(offset) + ", +" +
+                                    std::to_string(length_bytes) + ") outside the pool of " +
+                                    std::to_string(s.size_bytes) + " bytes");
+    if (ttl_ms == 0) throw std::invalid_argument("open_ticket: ttl_ms must be > 0");
+    const auto now = Clock::now();
+    std::lock_guard<std::mutex> lock(s.tickets_mutex);
+    if (s.tickets.size() >= kTicketSweepThreshold) {
+        for (auto it = s.tickets.begin(); it != s.tickets.end();)
+            it = it->second.expires <= now ? s.tickets.erase(it) : std::next(it);
+    }
+    uint64_t id = 0;
+    while (id == 0 || s.tickets.count(id) != 0) id = random_u64();
+    s.tickets[id] = Ticket{offset, length_bytes, now + std::chrono::milliseconds(ttl_ms)};
+    return id;
+}
+
+void DataServer::close_ticket(uint64_t id) {
+    std::lock_guard<std::mutex> lock(impl_->tickets_mutex);
+    impl_->tickets.erase(id);
+}
+
+void DataServer::inject_corrupt_chunks(uint32_t n) { impl_->corrupt_countdown = n; }
+void DataServer::inject_close_after_chunks(uint32_t n) { impl_->close_countdown = n; }
+
+DataServerStats DataServer::stats() const {
+    const Impl& s = *impl_;
+    DataServerStats out;
+    out.bytes_sent = s.bytes_sent;
+    out.chunks_sent = s.chunks_sent;
+    out.active_connections = s.active;
+    out.connections_accepted = s.accepted;
+    out.connections_refused = s.refused;
+    out.errors_sent = s.errors_sent;
+    return out;
+}
+
+void DataServer::stop() {
+    Impl& s = *impl_;
+    std::call_once(s.stop_once, [&s] {
+        net::signal_wake(s.wake.get());
+        if (s.accept_thread.joinable()) s.accept_thread.join();
+        // No new connections now; each thread sees the wake fd within one poll.
+        std::lock_guard<std::mutex> lock(s.connections_mutex);
+        for (auto& connection : s.connections)
+            if (connection->thread.joinable()) connection->thread.join();
+        s.connections.clear();
+        s.listener.reset();
+    });
+}
+
+void DataServer::Impl::reap_finished() {
+    for (auto it = connections.begin(); it != connections.end();) {
+        if ((*it)->finished) {
+            (*it)->thread.join();
+            it = connections.erase(it);  // closes its fd, after its thread is gone
+        } else {
+            ++it;
+        }
+    }
+}
+
+void DataServer::Impl::accept_loop() {
+    for (;;) {
+        // Wake at least every second to reap finished connection threads.
+        const net::Wait wait = net::wait_for(listener.get(), POLLIN, wake.get(),
+                                             Clock::now() + std::chrono::seconds(1));
+        if (wait == net::Wait::kWoken) return;
+        {
+            std::lock_guard<std::mutex> lock(connections_mutex);
+            reap_finished();
+        }
+        if (wait == net::Wait::kTimeout) continue;
+        for (;;) {
+            net::Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+            if (!fd.valid()) break;  // EAGAIN, or a transient error (EMFILE, aborted)
+            std::lock_guard<std::mutex> lock(connections_mutex);
+            if (connections.size() >= kMaxServerConnections) {
+                ++refused;
+                send_error(fd.get(), 0, frame::ErrorCode::kBusy, "too many connections");
+                continue;  // fd closes here
+            }
+            ++accepted;
+            ++active;
+            auto connection = std::make_unique<Connection>();
+            connection->fd = std::move(fd);
+            Connection* raw = connection.get();
+            connections.push_back(std::move(connection));
+            raw->thread = std::thread([this, raw] {
+                serve(raw);
+                // The peer sees the end now; the fd itself is closed by the reaper
+                // after the join, so its number cannot be reused under us.
+                if (raw->fd.valid()) ::shutdown(raw->fd.get(), SHUT_RDWR);
+                --active;
+                raw->finished = true;
+            });
+        }
+    }
+}
+
+bool DataServer::Impl::send_error(int fd, uint64_t request_id, frame::ErrorCode code,
+                                  const std::string& text) {
+    const uint32_t size = uint32_t(std::min<size_t>(text.size(), frame::kMaxErrorMessageBytes));
+    uint8_t header[frame::kHeaderBytes];
+    frame::encode_header(frame::error(request_id, code, size), header);
+    iovec iov[2] = {{header, sizeof header}, {const_cast<char*>(text.data()), size}};
+    net::IoLimits limits;
+    limits.wake_fd = wake.get();
+    limits.deadline = Clock::now() + std::chrono::seconds(2);
+    ++errors_sent;
+    return net::send_all(fd, iov, 2, limits, nullptr) == net::Io::kOk;
+}
+
+frame::ErrorCode DataServer::Impl::check_read(uint64_t ticket_id, uint64_t offset,
+                                              uint64_t length_bytes, bool* ok) {
+    *ok = false;
+    std::lock_guard<std::mutex> lock(tickets_mutex);
+    const auto it = tickets.find(ticket_id);
+    if (it == tickets.end()) return frame::ErrorCode::kBadTicket;
+    if (it->second.expires <= Clock::now()) {
+        tickets.erase(it);
+        return frame::ErrorCode::kBadTicket;
+    }
+    const Ticket& t = it->second;
+    // The frame parser guarantees offset + length does not overflow.
+    if (offset < t.offset || offset + length_bytes > t.offset + t.length_bytes)
+        return frame::ErrorCode::kOutOfRange;
+    *ok = true;
+    return frame::ErrorCode::kProtocol;
+}
+
+void DataServer::Impl::serve(Connection* connection) {
+    const int fd = connection->fd.get();
+    net::IoLimits limits;
+    limits.wake_fd = wake.get();
+    bool authenticated = false;
+    const auto connected_at = Clock::now();
+    uint8_t raw[frame::kHeaderBytes];
+    uint8_t token_bytes[frame::kMaxTokenBytes];
+
+    for (;;) {
+        // Read one header: handshake deadline first, then an idle timeout.
+        limits.deadline = authenticated
+                              ? Clock::now() + std::chrono::milliseconds(kIdleTimeoutMs)
+                              : connected_at + std::chrono::milliseconds(kHandshakeTimeoutMs);
+        limits.stall_ms = 0;
+        if (net::recv_all(fd, raw, sizeof raw, limits, nullptr) != net::Io::kOk) return;
+        frame::Header h;
+        const frame::Status status = frame::decode_header(raw, sizeof raw, &h);
+        if (status != frame::Status::kOk) {
+            send_error(fd, 0, frame::ErrorCode::kProtocol, frame::status_name(status));
+            return;
+        }
+        if (!authenticated) {
+            if (h.type != frame::Type::kHello) {
+                send_error(fd, h.request_id, frame::ErrorCode::kNotAuthenticated,
+                           "HELLO expected first");
+                return;
+            }
+            if (net::recv_all(fd, token_bytes, h.payload_bytes, limits, nullptr) != net::Io::kOk)
+                return;
+            if (!tokens_equal(token, token_bytes, h.payload_bytes)) {
+                send_error(fd, h.request_id, frame::ErrorCode::kBadToken, "bad token");
+                return;
+            }
+            uint8_t reply[frame::kHeaderBytes];
+            frame::Header ok = frame::hello_ok();
+            ok.request_id = h.request_id;
+            frame::encode_header(ok, reply);
+            iovec iov{reply, sizeof reply};
+            limits.stall_ms = kSendStallTimeoutMs;
+            limits.deadline = Clock::time_point::max();
+            if (net::send_all(fd, &iov, 1, limits, nullptr) != net::Io::kOk) return;
+            authenticated = true;
+            continue;
+        }
+        if (h.type != frame::Type::kRead) {
+            send_error(fd, h.request_id, frame::ErrorCode::kProtocol, "READ expected");
+            return;
+        }
+        bool allowed = false;
+        const frame::ErrorCode code = check_read(h.a, h.b, h.c, &allowed);
+        if (!allowed) {
+            const char* text = code == frame::ErrorCode::kBadTicket
+                                   ? "unknown or expired ticket"
+                                   : "range outside the ticket";
+            if (!send_error(fd, h.request_id, code, text)) return;
+            continue;
+        }
+        // Straight from the pool: header and payload leave in one sendmsg.
+        const uint8_t* payload = base + h.b;
+        uint64_t checksum = XXH3_64bits(payload, size_t(h.c));
+        if (take_one(corrupt_countdown) != 0) checksum ^= 1;
+        uint8_t header[frame::kHeaderBytes];
+        frame::encode_header(frame::data(h.request_id, h.b, h.c, checksum), header);
+        iovec iov[2] = {{header, sizeof header},
+                        {const_cast<uint8_t*>(payload), size_t(h.c)}};
+        limits.stall_ms = kSendStallTimeoutMs;
+        limits.deadline = Clock::time_point::max();
+        if (net::send_all(fd, iov, 2, limits, nullptr) != net::Io::kOk) return;
+        bytes_sent += h.c;
+        ++chunks_sent;
+        if (take_one(close_countdown) == 1) {
+            // Abort (RST, not FIN) to look like a crashed source.
+            const linger hard{1, 0};
+            ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &hard, sizeof hard);
+            connection->fd.reset();
+            return;
+        }
+    }
+}
+
+}  // namespace tc

@@ -1,0 +1,398 @@
+// Loopback checks of DataServer + pull: correctness over 1..8 streams, fault
+// injection (corrupt checksums, dying connections), auth/ticket rejection,
+// timeout, cancellation, and the server's handling of malformed frames.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensorcast/frame.h"
+#include "tensorcast/transport.h"
+
+namespace {
+
+namespace f = tc::frame;
+using Clock = std::chrono::steady_clock;
+
+int failures = 0;
+
+#define CHECK(cond)                                                          \
+    do {                                                                     \
+        if (!(cond)) {                                                       \
+            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,      \
+                         __LINE__, #cond);                                   \
+            ++failures;                                                      \
+        }                                                                    \
+    } while (0)
+
+const std::string kToken = "s3cret-token";
+constexpr uint64_t kPoolBytes = 64ull << 20;
+
+std::vector<uint8_t> random_bytes(size_t size_bytes, unsigned seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint8_t> bytes(size_bytes);
+    size_t i = 0;
+    for (; i + 8 <= size_bytes; i += 8) {
+        const uint64_t v = rng();
+        std::memcpy(&bytes[i], &v, 8);
+    }
+    for (; i < size_bytes; ++i) bytes[i] = uint8_t(rng());
+    return bytes;
+}
+
+const std::vector<uint8_t>& pool() {
+    static const std::vector<uint8_t> bytes = random_bytes(kPoolBytes, 7);
+    return bytes;
+}
+
+double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Runs fn, expecting a TransferError-derived Error with the given failure.
+template <typename Error, typename Fn>
+bool fails_with(tc::TransferFailure failure, Fn&& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        if (e.failure() == failure) return true;
+        std::fprintf(stderr, "  unexpected failure: %s\n", e.what());
+        return false;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "  unexpected exception: %s\n", e.what());
+        return false;
+    }
+    std::fprintf(stderr, "  no exception\n");
+    return false;
+}
+
+struct Fixture {
+    tc::DataServer server{"127.0.0.1", 0, pool().data(), kPoolBytes, kToken};
+    uint64_t ticket = server.open_ticket(0, kPoolBytes, 60'000);
+
+    tc::PullStats pull(uint64_t offset, uint64_t length, std::vector<uint8_t>& dest,
+                       uint32_t streams, uint64_t chunk_bytes = 0, uint32_t timeout_ms = 30'000,
+                       const std::string& token = kToken, uint64_t ticket_id = 0) {
+        dest.assign(length, 0);
+        return tc::pull("127.0.0.1", server.port(), token, ticket_id ? ticket_id : ticket, offset,
+                        length, dest.data(), streams, chunk_bytes, timeout_ms, nullptr);
+    }
+};
+
+bool equals_pool(const std::vector<uint8_t>& dest, uint64_t offset) {
+    return std::memcmp(dest.data(), pool().data() + offset, dest.size()) == 0;
+}
+
+void test_pull_streams() {
+    Fixture fx;
+    std::vector<uint8_t> dest;
+    for (uint32_t streams : {1u, 2u, 4u, 8u}) {
+        const auto start = Clock::now();
+        const tc::PullStats stats = fx.pull(0, kPoolBytes, dest, streams);
+        CHECK(equals_pool(dest, 0));
+        CHECK(stats.bytes == kPoolBytes && stats.chunks == 16 && stats.retries == 0);
+        CHECK(stats.streams == streams);
+        std::printf("pull 64 MiB, %u stream(s): %.2f GB/s\n", streams,
+                    double(kPoolBytes) / seconds_since(start) / 1e9);
+    }
+    // Unaligned offset, odd chunk size, tail chunk shorter than the rest.
+    const tc::PullStats stats = fx.pull(12345, (10 << 20) + 7, dest, 3, (1 << 20) + 3);
+    CHECK(equals_pool(dest, 12345));
+    CHECK(stats.chunks == 10);  // 9 of 1 MiB + 3, then the tail
+    // Zero length touches nothing (not even the network).
+    CHECK(tc::pull("127.0.0.1", 1, kToken, 1, 0, 0, nullptr, 0, 0, 100, nullptr).bytes == 0);
+    const tc::DataServerStats server_stats = fx.server.stats();
+    CHECK(server_stats.bytes_sent == 4 * kPoolBytes + (10 << 20) + 7);
+    CHECK(server_stats.errors_sent == 0);
+}
+
+void test_corrupt_chunks_are_retried() {
+    Fixture fx;
+    std::vector<uint8_t> dest;
+    fx.server.inject_corrupt_chunks(3);
+    const tc::PullStats stats = fx.pull(0, kPoolBytes, dest, 4);
+    CHECK(equals_pool(dest, 0));
+    CHECK(stats.checksum_failures == 3);
+    CHECK(stats.retries == 3);
+    // Every chunk corrupt: the pull gives up after kMaxChunkRetries.
+    fx.server.inject_corrupt_chunks(1000);
+    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kChecksumRetriesExhausted,
+                                        [&] { fx.pull(0, 8 << 20, dest, 2); }));
+}
+
+void test_dying_connection() {
+    Fixture fx;
+    std::vector<uint8_t> dest;
+    fx.server.inject_close_after_chunks(3);
+    tc::PullStats stats = fx.pull(0, kPoolBytes, dest, 4);
+    CHECK(equals_pool(dest, 0));
+    CHECK(stats.retries >= 1);
+    CHECK(stats.reconnects == 0);  // finished on the three other streams
+    // A single stream that dies is replaced by a reconnect.
+    fx.server.inject_close_after_chunks(2);
+    stats = fx.pull(0, 32 << 20, dest, 1);
+    CHECK(equals_pool(dest, 0));
+    CHECK(stats.reconnects == 1 && stats.retries >= 1);
+}
+
+void test_rejections() {
+    Fixture fx;
+    std::vector<uint8_t> dest;
+    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kBadToken,
+                                        [&] { fx.pull(0, 1 << 20, dest, 2, 0, 5000, "wrong"); }));
+    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kTicketRejected,
+                                        [&] { fx.pull(0, 1 << 20, dest, 2, 0, 5000, kToken, 12345); }));
+    const uint64_t short_lived = fx.server.open_ticket(0, 1 << 20, 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(fails_with<tc::TransferError>(
+        tc::TransferFailure::kTicketRejected,
+        [&] { fx.pull(0, 1 << 20, dest, 2, 0, 5000, kToken, short_lived); }));
+    const uint64_t closed = fx.server.open_ticket(0, 1 << 20, 60'000);
+    fx.server.close_ticket(closed);
+    CHECK(fails_with<tc::TransferError>(
+        tc::TransferFailure::kTicketRejected,
+        [&] { fx.pull(0, 1 << 20, dest, 2, 0, 5000, kToken, closed); }));
+    // Ticket for [1 MiB, 2 MiB): a read starting below or running past it is refused.
+    const uint64_t narrow = fx.server.open_ticket(1 << 20, 1 << 20, 60'000);
+    fx.pull(1 << 20, 1 << 20, dest, 2, 256 << 10, 5000, kToken, narrow);
+    CHECK(equals_pool(dest, 1 << 20));
+    CHECK(fails_with<tc::TransferError>(
+        tc::TransferFailure::kTicketRejected,
+        [&] { fx.pull((1 << 20) + 1, 1 << 20, dest, 2, 0, 5000, kToken, narrow); }));
+    CHECK(fails_with<tc::TransferError>(
+        tc::TransferFailure::kTicketRejected,
+        [&] { fx.pull((1 << 20) - 1, 4096, dest, 1, 0, 5000, kToken, narrow); }));
+    // Tickets cannot reach outside the pool.
+    bool threw = false;
+    try {
+        fx.server.open_ticket(kPoolBytes - 10, 11, 1000);
+    } catch (const std::invalid_argument&) {
+        threw = true;
+    }
+    CHECK(threw);
+    CHECK(fx.server.stats().errors_sent >= 6);
+}
+
+// A socket that listens but never accepts: connect succeeds (backlog), HELLO
+// is never answered.
+struct SilentListener {
+    int fd = -1;
+    uint16_t port = 0;
+    SilentListener() {
+        fd = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in address{};
+        address.sin_family = AF_INET;
+        address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+        CHECK(::listen(fd, 16) == 0);
+        socklen_t size = sizeof address;
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
+        port = ntohs(address.sin_port);
+    }
+    ~SilentListener() { ::close(fd); }
+};
+
+void test_timeout_and_cancel() {
+    SilentListener silent;
+    std::vector<uint8_t> dest(8 << 20);
+    auto start = Clock::now();
+    CHECK(fails_with<tc::TransferTimeout>(tc::TransferFailure::kTimeout, [&] {
+        tc::pull("127.0.0.1", silent.port, kToken, 1, 0, dest.size(), dest.data(), 4, 0, 300,
+                 nullptr);
+    }));
+    double elapsed = seconds_since(start);
+    std::printf("timeout 300 ms took %.3f s\n", elapsed);
+    CHECK(elapsed >= 0.29 && elapsed < 0.8);
+
+    std::atomic<bool> cancel{false};
+    std::thread canceller([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        cancel = true;
+    });
+    start = Clock::now();
+    CHECK(fails_with<tc::TransferCancelled>(tc::TransferFailure::kCancelled, [&] {
+        tc::pull("127.0.0.1", silent.port, kToken, 1, 0, dest.size(), dest.data(), 4, 0, 10'000,
+                 &cancel);
+    }));
+    canceller.join();
+    elapsed = seconds_since(start);
+    std::printf("cancel after 200 ms took %.3f s\n", elapsed);
+    CHECK(elapsed >= 0.19 && elapsed < 0.35);
+}
+
+void test_refused() {
+    uint16_t port;
+    {
+        SilentListener closed_soon;
+        port = closed_soon.port;
+    }
+    std::vector<uint8_t> dest(1 << 20);
+    const auto start = Clock::now();
+    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kRefused, [&] {
+        tc::pull("127.0.0.1", port, kToken, 1, 0, dest.size(), dest.data(), 4, 0, 5000, nullptr);
+    }));
+    CHECK(seconds_since(start) < 1.0);  // two short backoffs, no waiting for the deadline
+}
+
+void test_server_stop_mid_pull() {
+    auto fx = std::make_unique<Fixture>();
+    std::vector<uint8_t> dest(kPoolBytes);
+    std::thread stopper([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        fx->server.stop();
+    });
+    bool ended = false;
+    try {
+        // Small chunks so the pull is still running when the server stops.
+        for (int i = 0; i < 50; ++i)
+            tc::pull("127.0.0.1", fx->server.port(), kToken, fx->ticket, 0, kPoolBytes,
+                     dest.data(), 4, 64 << 10, 10'000, nullptr);
+    } catch (const tc::TransferError& e) {
+        ended = e.failure() == tc::TransferFailure::kPeerClosed ||
+                e.failure() == tc::TransferFailure::kRefused;
+        if (!ended) std::fprintf(stderr, "  %s\n", e.what());
+    }
+    stopper.join();
+    CHECK(ended);
+    CHECK(fx->server.stats().active_connections == 0);
+}
+
+// Raw client helpers for protocol-level checks.
+int raw_connect(uint16_t port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    address.sin_port = htons(port);
+    CHECK(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+    timeval tv{5, 0};  // a hung server fails the test instead of hanging it
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+// Reads one frame header (and discards its payload); false on EOF/error.
+bool raw_read_frame(int fd, f::Header* h) {
+    uint8_t raw[f::kHeaderBytes];
+    if (::recv(fd, raw, sizeof raw, MSG_WAITALL) != ssize_t(sizeof raw)) return false;
+    if (f::decode_header(raw, sizeof raw, h) != f::Status::kOk) return false;
+    std::vector<uint8_t> payload(h->payload_bytes);
+    return h->payload_bytes == 0 ||
+           ::recv(fd, payload.data(), payload.size(), MSG_WAITALL) == ssize_t(payload.size());
+}
+
+bool raw_closed(int fd) {
+    uint8_t byte;
+    return ::recv(fd, &byte, 1, 0) <= 0;
+}
+
+void test_server_protocol_errors() {
+    Fixture fx;
+    f::Header h;
+    {  // garbage header: ERROR(protocol), then close
+        const int fd = raw_connect(fx.server.port());
+        const char garbage[f::kHeaderBytes] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+        CHECK(::send(fd, garbage, sizeof garbage, 0) == ssize_t(sizeof garbage));
+        CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kError &&
+              h.a == uint64_t(f::ErrorCode::kProtocol));
+        CHECK(raw_closed(fd));
+        ::close(fd);
+    }
+    {  // READ before HELLO
+        const int fd = raw_connect(fx.server.port());
+        uint8_t raw[f::kHeaderBytes];
+        f::encode_header(f::read(1, fx.ticket, 0, 10), raw);
+        CHECK(::send(fd, raw, sizeof raw, 0) == ssize_t(sizeof raw));
+        CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kError &&
+              h.a == uint64_t(f::ErrorCode::kNotAuthenticated));
+        CHECK(raw_closed(fd));
+        ::close(fd);
+    }
+    {  // valid session: HELLO, two pipelined READs, then an oversize READ
+        const int fd = raw_connect(fx.server.port());
+        uint8_t raw[3 * f::kHeaderBytes];
+        f::encode_header(f::hello(uint32_t(kToken.size())), raw);
+        CHECK(::send(fd, raw, f::kHeaderBytes, 0) == ssize_t(f::kHeaderBytes));
+        CHECK(::send(fd, kToken.data(), kToken.size(), 0) == ssize_t(kToken.size()));
+        CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kHelloOk);
+        f::encode_header(f::read(7, fx.ticket, 100, 1000), raw);
+        f::encode_header(f::read(8, fx.ticket, 5000, 3), raw + f::kHeaderBytes);
+        CHECK(::send(fd, raw, 2 * f::kHeaderBytes, 0) == ssize_t(2 * f::kHeaderBytes));
+        CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kData && h.request_id == 7 &&
+              h.a == 100 && h.b == 1000);
+        CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kData && h.request_id == 8);
+        f::encode_header(f::read(9, fx.ticket, 0, 1000), raw);
+        raw[40 + 3] = 0x10;  // length 256 MiB + 1000: over the limit
+        CHECK(::send(fd, raw, f::kHeaderBytes, 0) == ssize_t(f::kHeaderBytes));
+        CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kError &&
+              h.a == uint64_t(f::ErrorCode::kProtocol));
+        CHECK(raw_closed(fd));
+        ::close(fd);
+    }
+}
+
+void test_connection_cap() {
+    Fixture fx;
+    std::vector<int> fds;
+    for (uint32_t i = 0; i < tc::kMaxServerConnections; ++i) fds.push_back(raw_connect(fx.server.port()));
+    const auto start = Clock::now();
+    while (fx.server.stats().active_connections < tc::kMaxServerConnections && seconds_since(start) < 5)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    CHECK(fx.server.stats().active_connections == tc::kMaxServerConnections);
+    const int extra = raw_connect(fx.server.port());
+    f::Header h;
+    CHECK(raw_read_frame(extra, &h) && h.type == f::Type::kError &&
+          h.a == uint64_t(f::ErrorCode::kBusy));
+    ::close(extra);
+    CHECK(fx.server.stats().connections_refused == 1);
+    for (int fd : fds) ::close(fd);
+    // The slots come back once the server sees the closes.
+    std::vector<uint8_t> dest;
+    fx.pull(0, 1 << 20, dest, 2);
+    CHECK(equals_pool(dest, 0));
+    const auto stop_start = Clock::now();
+    fx.server.stop();
+    CHECK(seconds_since(stop_start) < 1.5);
+}
+
+}  // namespace
+
+int main() {
+    const struct {
+        const char* name;
+        void (*run)();
+    } tests[] = {
+        {"pull_streams", test_pull_streams},
+        {"corrupt_chunks_are_retried", test_corrupt_chunks_are_retried},
+        {"dying_connection", test_dying_connection},
+        {"rejections", test_rejections},
+        {"timeout_and_cancel", test_timeout_and_cancel},
+        {"refused", test_refused},
+        {"server_stop_mid_pull", test_server_stop_mid_pull},
+        {"server_protocol_errors", test_server_protocol_errors},
+        {"connection_cap", test_connection_cap},
+    };
+    for (const auto& test : tests) {
+        const int before = failures;
+        const auto start = Clock::now();
+        test.run();
+        std::printf("%-28s %s (%.2f s)\n", test.name, failures == before ? "ok" : "FAILED",
+                    seconds_since(start));
+        std::fflush(stdout);
+    }
+    if (failures != 0) {
+        std::fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    std::puts("all transport checks passed");
+    return 0;
+}
