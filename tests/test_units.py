@@ -156,3 +156,36 @@ def test_order_sources_same_host_then_least_loaded():
     replicas = [ReplicaInfo(x.worker_id) for x in workers]
     order = [x.worker_id for x in order_sources(replicas, workers, "h1", exclude_worker_id="me")]
     assert order == ["near-emptier", "near-idle", "near-busy", "far-idle"]
+
+
+def test_schema_migrates_a_v1_database_keeping_its_rows(tmp_path):
+    import sqlite3
+
+    import sqlite_utils
+
+    from tensorcast.store import schema
+    from tensorcast.store.sqlite_store import SqliteStore
+
+    db = sqlite_utils.Database(sqlite3.connect(str(tmp_path / "old.db")))
+    schema.MIGRATIONS[0](db)
+    db.execute("PRAGMA user_version = 1")
+    db.table("contents").insert(
+        {"content_id": "c", "size_bytes": 1, "tensors": "[]", "created_at": 0.0}
+    )
+    db.table("artifacts").insert(
+        {
+            "art_id": "a",
+            "content_id": "c",
+            "owner": "system",
+            "created_at": 0.0,
+            "expires_at": None,
+            "parent": "",
+        }
+    )
+    db.conn.commit()
+    db.conn.close()
+    store = SqliteStore(tmp_path / "old.db", heartbeat_ttl_s=5)
+    assert store.schema_version == schema.SCHEMA_VERSION >= 2
+    assert store.get_artifact("a", now=1.0).content_id == "c"
+    assert "pinned" in store.db.table("replicas").columns_dict
+    store.close()

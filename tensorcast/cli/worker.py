@@ -27,6 +27,15 @@ def start(
         str, typer.Option("--roles", help="Comma list of basic, gateway, shard-home.")
     ] = "basic,gateway,shard-home",
     name: Annotated[str, typer.Option("--name", help="Name shown in tc status.")] = "",
+    disk: Annotated[
+        Path | None,
+        typer.Option(
+            "--disk",
+            help="Directory for the disk tier: last copies spill here when "
+            "the pool is full (otherwise the write fails).",
+            show_default=False,
+        ),
+    ] = None,
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
@@ -66,6 +75,7 @@ def start(
         name,
         t.heartbeat_interval_s,
         t.rpc_timeout_s,
+        disk_dir=disk,
         on_ready=lambda node: announce(
             ready_file,
             as_json,

@@ -103,18 +103,20 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers")
+    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
     PINNED_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     mem_used_bytes: int
     content_ids: _containers.RepeatedScalarFieldContainer[str]
     pinned_content_ids: _containers.RepeatedScalarFieldContainer[str]
     active_transfers: int
-    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ...) -> None: ...
+    disk_content_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("drop_content_ids",)

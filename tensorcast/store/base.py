@@ -45,6 +45,7 @@ class MetadataStore(Protocol):
         now: float,
         pinned_content_ids: frozenset[str] = frozenset(),
         active_transfers: int = 0,
+        disk_content_ids: frozenset[str] = frozenset(),
     ) -> list[str]:
         """Record liveness and reconcile the worker's inventory; returns contents to drop."""
         ...

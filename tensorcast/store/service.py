@@ -66,6 +66,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             time.time(),
             frozenset(request.pinned_content_ids),
             request.active_transfers,
+            frozenset(request.disk_content_ids),
         )
         return pb.HeartbeatReply(drop_content_ids=drop)
 

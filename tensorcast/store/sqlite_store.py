@@ -98,6 +98,7 @@ class SqliteStore:
         now: float,
         pinned_content_ids: frozenset[str] = frozenset(),
         active_transfers: int = 0,
+        disk_content_ids: frozenset[str] = frozenset(),
     ) -> list[str]:
         with self._lock, self.db.conn:
             cursor = self.db.execute(
@@ -107,25 +108,26 @@ class SqliteStore:
             )
             if cursor.rowcount == 0:
                 raise NotFound(f"worker {worker_id} is not registered")
-            known = self._known_contents(content_ids)
-            held = set(content_ids)
-            for content_id in known:
-                self.db.execute(
-                    "INSERT INTO replicas (content_id, worker_id, tier, created_at, pinned) "
-                    "VALUES (?, ?, 'cpu', ?, ?) ON CONFLICT (content_id, worker_id, tier) "
-                    "DO UPDATE SET pinned = excluded.pinned",
-                    [content_id, worker_id, now, int(content_id in pinned_content_ids)],
-                )
-            # The worker no longer holds these (it restarted or dropped them): forget them.
-            for (content_id,) in self.db.execute(
-                "SELECT content_id FROM replicas WHERE worker_id = ?", [worker_id]
-            ).fetchall():
-                if content_id not in held:
+            held = {(c, "cpu") for c in content_ids} | {(c, "disk") for c in disk_content_ids}
+            known = self._known_contents([c for c, _ in held])
+            for content_id, tier in held:
+                if content_id in known:
                     self.db.execute(
-                        "DELETE FROM replicas WHERE worker_id = ? AND content_id = ?",
-                        [worker_id, content_id],
+                        "INSERT INTO replicas (content_id, worker_id, tier, created_at, pinned) "
+                        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (content_id, worker_id, tier) "
+                        "DO UPDATE SET pinned = excluded.pinned",
+                        [content_id, worker_id, tier, now, int(content_id in pinned_content_ids)],
                     )
-            return sorted(held - known)
+            # The worker no longer holds these (it restarted, dropped or moved them): forget them.
+            for content_id, tier in self.db.execute(
+                "SELECT content_id, tier FROM replicas WHERE worker_id = ?", [worker_id]
+            ).fetchall():
+                if (content_id, tier) not in held:
+                    self.db.execute(
+                        "DELETE FROM replicas WHERE worker_id = ? AND content_id = ? AND tier = ?",
+                        [worker_id, content_id, tier],
+                    )
+            return sorted({c for c, _ in held} - known)
 
     def _known_contents(self, content_ids: list[str]) -> set[str]:
         known: set[str] = set()

@@ -17,6 +17,7 @@ from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
 from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
 from tensorcast.types import Committed, TensorMeta
+from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.pool import Pool, Reservation
 
 log = logging.getLogger("tensorcast.worker")
@@ -33,8 +34,10 @@ class WorkerNode:
         name: str,
         roles: tuple[str, ...],
         rpc_timeout_s: float,
+        disk: DiskTier | None = None,
     ) -> None:
         self.pool = pool
+        self.disk = disk
         self.worker_id = uuid.uuid4().hex[:12]
         self.name = name or f"worker-{self.worker_id[:6]}"
         self.roles = roles
@@ -79,10 +82,11 @@ class WorkerNode:
         return reply.heartbeat_ttl_s
 
     def reserve(self, size_bytes: int) -> Reservation:
-        """A pool region, evicting least recently used replicas when the pool is full.
+        """A pool region, making room when the pool is full.
 
-        Only unpinned, unmapped replicas that another live worker also holds are evicted: the
-        last replica of an artifact is never dropped silently (ResourceExhausted instead).
+        First evicts least recently used replicas that another live worker also holds; then,
+        with a disk tier, spills last copies to disk. Pinned or mapped contents never move, and
+        the last copy of an artifact is never dropped silently (ResourceExhausted instead).
         """
         try:
             return self.pool.reserve(size_bytes)
@@ -90,9 +94,14 @@ class WorkerNode:
             error = full
         for content_id in self.pool.eviction_candidates():
             found = self.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
-            if found.exists and not any(r.worker_id != self.worker_id for r in found.replicas):
-                continue  # the last copy
-            if self.pool.drop(content_id):
+            last_copy = found.exists and not any(
+                r.worker_id != self.worker_id for r in found.replicas
+            )
+            if last_copy and self.disk is None:
+                continue
+            if last_copy and not self._spill(content_id):
+                continue
+            if not last_copy and self.pool.drop(content_id):
                 log.info("evicted content %s to make room", content_id)
                 self.store.call(
                     "RemoveReplica",
@@ -103,8 +112,47 @@ class WorkerNode:
             except ResourceExhausted as still_full:
                 error = still_full
         raise ResourceExhausted(
-            f"{error} (nothing evictable: the rest is pinned, in use, or the last copy)"
+            f"{error} (nothing evictable: the rest is pinned, in use, or the last copy"
+            + ("" if self.disk else " and this worker has no --disk tier")
+            + ")"
         )
+
+    def _spill(self, content_id: str) -> bool:
+        """Move a content from memory to the disk tier; False if it is in use meanwhile."""
+        assert self.disk is not None
+        try:
+            content = self.pool.hold(content_id)
+        except NotFound:
+            return False
+        try:
+            region = self.pool.region(content.offset, content.size_bytes)
+            self.disk.save(content_id, content.tensors, region)
+        finally:
+            self.pool.release(content)
+        self.pool.drop(content_id)
+        log.info("spilled content %s (%d bytes) to disk", content_id, content.size_bytes)
+        self.heartbeat_once()  # the store lists the replica's new tier now
+        return True
+
+    def load(self, content_id: str) -> None:
+        """Bring a spilled content back into the pool (no-op when it is in memory)."""
+        try:
+            self.pool.get(content_id)
+            return
+        except NotFound:
+            if self.disk is None:
+                raise
+        _, size, tensors = self.disk.layout(content_id)
+        res = self.reserve(size)
+        try:
+            self.disk.read_into(content_id, self.pool.view, res.offset)
+        except BaseException:
+            self.pool.abort(res.reservation_id)
+            raise
+        self.commit(res.reservation_id, list(tensors), verify_hashes=True, replica=True)
+        self.disk.delete(content_id)
+        log.info("loaded content %s back from disk", content_id)
+        self.heartbeat_once()
 
     def commit(
         self,
@@ -160,6 +208,7 @@ class WorkerNode:
             content_ids=stats.content_ids,
             pinned_content_ids=stats.pinned_content_ids,
             active_transfers=self.active_transfers(),
+            disk_content_ids=self.disk.content_ids() if self.disk else [],
         )
         try:
             reply = self.store.call("Heartbeat", request)
@@ -170,6 +219,8 @@ class WorkerNode:
         for content_id in reply.drop_content_ids:
             if self.pool.drop(content_id, unless_committed_after=sent_at):
                 log.info("dropped content %s (no artifact references it)", content_id)
+            if self.disk is not None and content_id in request.disk_content_ids:
+                self.disk.delete(content_id)
 
     def heartbeat_loop(self, interval_s: float, on_tick: Callable[[], None]) -> None:
         while not self._stop.wait(interval_s):

@@ -6,6 +6,7 @@ import logging
 import signal
 import socket
 import threading
+from pathlib import Path
 
 import psutil
 
@@ -14,6 +15,7 @@ from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
 from tensorcast.transport import native
+from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.local_server import LocalServer
 from tensorcast.worker.node import ROLES, WorkerNode
 from tensorcast.worker.pool import Pool
@@ -47,6 +49,7 @@ def serve(
     name: str,
     heartbeat_interval_s: float,
     rpc_timeout_s: float,
+    disk_dir: Path | None = None,
     on_ready=None,
     stop_event: threading.Event | None = None,
 ) -> None:
@@ -56,7 +59,8 @@ def serve(
             f"--mem {mem_bytes} bytes exceeds the {available} bytes of memory available"
         )
     pool = Pool(mem_bytes)
-    node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s)
+    disk = DiskTier(disk_dir) if disk_dir else None
+    node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s, disk)
     server = make_server(token)
     host = listen.rpartition(":")[0]
     data_server = native.data_server(host, pool.mm, token)

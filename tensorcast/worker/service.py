@@ -49,6 +49,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         from tensorcast.worker.slicing import DimSlice, copy_slices, plan_view
 
         pool = self.node.pool
+        self.node.load(request.content_id)
         source = pool.hold(request.content_id)
         try:
             slices = {

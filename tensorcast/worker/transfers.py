@@ -67,6 +67,7 @@ class Transfers:
         with self._lock:
             if len(self._tickets) >= MAX_TICKETS:
                 raise Unavailable("too many transfers in flight on this worker; retry later")
+        self.node.load(content_id)
         content = self.node.pool.hold(content_id)
         ticket = self.data_server.open_ticket(content.offset, content.size_bytes, ttl_ms)
         with self._lock:
@@ -131,7 +132,7 @@ class Transfers:
             raise DeadlineExceeded(f"prefetch of {content_id} did not finish in {timeout_s}s")
         try:
             try:
-                self.node.pool.get(content_id)
+                self.node.load(content_id)
                 return PrefetchResult(True, 0, self.node.worker_id, 0.0, 0)
             except NotFound:
                 pass
