@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <cstdlib>
 #include <list>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 
@@ -29,6 +31,7 @@ constexpr int kIdleTimeoutMs = 300'000;          // no READ for this long: close
 constexpr int kSendStallTimeoutMs = 30'000;      // client stopped reading
 constexpr size_t kTicketSweepThreshold = 4096;   // prune expired tickets above this
 constexpr int kListenBacklog = 512;
+static const uint64_t kDataFrameBytes = getenv("TC_FRAME") ? atoll(getenv("TC_FRAME")) : (256 << 10);
 
 uint64_t random_u64() {
     uint64_t value = 0;
@@ -246,7 +249,14 @@ void DataServer::Impl::accept_loop() {
         if (wait == net::Wait::kTimeout) continue;
         for (;;) {
             net::Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-            if (!fd.valid()) break;  // EAGAIN, or a transient error (EMFILE, aborted)
+            if (!fd.valid()) {
+                // Out of fds/memory leaves the listener readable: pause rather than spin.
+                if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR &&
+                    errno != ECONNABORTED)
+                    net::wait_for(wake.get(), POLLIN, -1,
+                                  Clock::now() + std::chrono::milliseconds(100));
+                break;
+            }
             std::lock_guard<std::mutex> lock(connections_mutex);
             if (connections.size() >= kMaxServerConnections) {
                 ++refused;
@@ -259,14 +269,24 @@ void DataServer::Impl::accept_loop() {
             connection->fd = std::move(fd);
             Connection* raw = connection.get();
             connections.push_back(std::move(connection));
-            raw->thread = std::thread([this, raw] {
-                serve(raw);
-                // The peer sees the end now; the fd itself is closed by the reaper
-                // after the join, so its number cannot be reused under us.
-                if (raw->fd.valid()) ::shutdown(raw->fd.get(), SHUT_RDWR);
+            try {
+                raw->thread = std::thread([this, raw] {
+                    try {
+                        serve(raw);
+                    } catch (const std::exception&) {  // bad_alloc: drop the connection only
+                    }
+                    // The peer sees the end now; the fd itself is closed by the reaper
+                    // after the join, so its number cannot be reused under us.
+                    if (raw->fd.valid()) ::shutdown(raw->fd.get(), SHUT_RDWR);
+                    --active;
+                    raw->finished = true;
+                });
+            } catch (const std::system_error&) {  // thread limit: refuse this one
+                connections.pop_back();
                 --active;
-                raw->finished = true;
-            });
+                --accepted;
+                ++refused;
+            }
         }
     }
 }
@@ -360,18 +380,26 @@ void DataServer::Impl::serve(Connection* connection) {
             if (!send_error(fd, h.request_id, code, text)) return;
             continue;
         }
-        // Straight from the pool: header and payload leave in one sendmsg.
-        const uint8_t* payload = base + h.b;
-        uint64_t checksum = XXH3_64bits(payload, size_t(h.c));
-        if (take_one(corrupt_countdown) != 0) checksum ^= 1;
-        uint8_t header[frame::kHeaderBytes];
-        frame::encode_header(frame::data(h.request_id, h.b, h.c, checksum), header);
-        iovec iov[2] = {{header, sizeof header},
-                        {const_cast<uint8_t*>(payload), size_t(h.c)}};
+        // The READ is answered with DATA frames of at most kDataFrameBytes: each
+        // piece is hashed into cache and then copied from there by sendmsg
+        // (header and payload in one call, straight from the pool).
+        const bool corrupt = take_one(corrupt_countdown) != 0;
         limits.stall_ms = kSendStallTimeoutMs;
         limits.deadline = Clock::time_point::max();
-        if (net::send_all(fd, iov, 2, limits, nullptr) != net::Io::kOk) return;
-        bytes_sent += h.c;
+        for (uint64_t done = 0; done < h.c;) {
+            const uint64_t offset = h.b + done;
+            const uint64_t size = kDataFrameBytes ? std::min(kDataFrameBytes, h.c - done) : h.c;
+            const uint8_t* payload = base + offset;
+            uint64_t checksum = XXH3_64bits(payload, size_t(size));
+            if (corrupt && done == 0) checksum ^= 1;  // one bit, in the checksum only
+            uint8_t header[frame::kHeaderBytes];
+            frame::encode_header(frame::data(h.request_id, offset, size, checksum), header);
+            iovec iov[2] = {{header, sizeof header},
+                            {const_cast<uint8_t*>(payload), size_t(size)}};
+            if (net::send_all(fd, iov, 2, limits, nullptr) != net::Io::kOk) return;
+            bytes_sent += size;
+            done += size;
+        }
         ++chunks_sent;
         if (take_one(close_countdown) == 1) {
             // Abort (RST, not FIN) to look like a crashed source.

@@ -59,10 +59,12 @@ Status decode_header(const uint8_t* bytes, size_t size_bytes, Header* out) {
             break;
         case Type::kRead:
             if (h.payload_bytes != 0) return Status::kBadLength;
-            if (h.c == 0 || h.c > kMaxDataBytes || sum_overflows(h.b, h.c)) return Status::kBadField;
+            if (h.c == 0 || h.c > kMaxDataBytes || sum_overflows(h.b, h.c))
+                return Status::kBadField;
             break;
         case Type::kData:
-            if (h.b == 0 || h.b > kMaxDataBytes || h.payload_bytes != h.b) return Status::kBadLength;
+            if (h.b == 0 || h.b > kMaxDataBytes || h.payload_bytes != h.b)
+                return Status::kBadLength;
             if (sum_overflows(h.a, h.b)) return Status::kBadField;
             break;
         case Type::kError:

@@ -169,8 +169,8 @@ Io send_all(int fd, iovec* iov, int iov_count, const IoLimits& limits, int* erro
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                const Wait wait =
-                    wait_for(fd, POLLOUT, limits.wake_fd, effective_deadline(limits, last_progress));
+                const Wait wait = wait_for(fd, POLLOUT, limits.wake_fd,
+                                           effective_deadline(limits, last_progress));
                 if (wait != Wait::kReady) return from_wait(wait);
                 continue;
             }

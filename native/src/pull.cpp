@@ -27,6 +27,9 @@ using std::chrono::milliseconds;
 constexpr int kMonitorPeriodMs = 50;         // cancel / deadline check period
 constexpr int kReconnectBackoffMs = 100;     // times the reconnect number
 constexpr int kIdleWaitMs = 100;             // re-check period of an idle connection
+// A connection with READs outstanding that receives nothing for this long is
+// treated as dead (a hung or partitioned source that never resets).
+constexpr int kReceiveStallMs = 10'000;
 // recv() at most this much at a time so each piece is hashed while still in cache.
 constexpr uint64_t kRecvPieceBytes = 256 << 10;
 
@@ -55,6 +58,8 @@ struct Chunk {
 struct InFlight {
     uint64_t request_id;
     uint32_t chunk;
+    uint64_t received_bytes = 0;  // the server may answer one READ with several DATA frames
+    bool corrupt = false;         // one of those frames failed its checksum
 };
 
 constexpr int64_t kNoChunk = -1;
@@ -121,7 +126,8 @@ private:
     std::vector<Chunk> chunks_;
     std::deque<uint32_t> queue_;
     uint64_t remaining_ = 0;
-    uint32_t live_ = 0;  // connections connecting or connected
+    uint32_t live_ = 0;       // connections connecting or connected
+    uint32_t connected_ = 0;  // connections past HELLO_OK
     uint32_t reconnects_used_ = 0;
     uint64_t next_connection_id_ = 1;
     bool over_ = false;
@@ -147,10 +153,10 @@ int64_t Pull::take_chunk(uint64_t connection_id, bool wait) {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
         if (over_) return kPullOver;
-        // Prefer a chunk this connection has not just failed; if it is the
-        // only one left alive, it takes anything.
+        // Prefer a chunk this connection has not just failed, unless no other
+        // connection is up to take it.
         for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-            if (chunks_[*it].avoid_connection != connection_id || live_ <= 1) {
+            if (chunks_[*it].avoid_connection != connection_id || connected_ <= 1) {
                 const uint32_t chunk = *it;
                 queue_.erase(it);
                 return chunk;
@@ -209,7 +215,12 @@ bool Pull::on_connection_lost(const ConnectionLost& loss) {
 void Pull::throw_io(net::Io io, int error, const char* what) {
     switch (io) {
         case net::Io::kWoken: throw PullOver{};
-        case net::Io::kTimeout: throw PullFailed{TransferFailure::kTimeout, "deadline passed"};
+        case net::Io::kTimeout:
+            if (Clock::now() < deadline_)  // a stall, not the pull's deadline
+                throw ConnectionLost{TransferFailure::kPeerClosed,
+                                     std::string(what) + ": no data for " +
+                                         std::to_string(kReceiveStallMs) + " ms"};
+            throw PullFailed{TransferFailure::kTimeout, "deadline passed"};
         case net::Io::kClosed:
             throw ConnectionLost{TransferFailure::kPeerClosed,
                                  std::string(what) + ": connection closed by the server"};
@@ -290,7 +301,9 @@ void Pull::receive_frame(int fd, std::vector<InFlight>& in_flight, uint64_t conn
                          XXH3_state_t* hash) {
     uint8_t raw[frame::kHeaderBytes];
     int error = 0;
-    net::Io io = net::recv_all(fd, raw, sizeof raw, limits(), &error);
+    net::IoLimits l = limits();
+    l.stall_ms = kReceiveStallMs;
+    net::Io io = net::recv_all(fd, raw, sizeof raw, l, &error);
     if (io != net::Io::kOk) throw_io(io, error, "receive");
     frame::Header h;
     const frame::Status status = frame::decode_header(raw, sizeof raw, &h);
@@ -313,28 +326,31 @@ void Pull::receive_frame(int fd, std::vector<InFlight>& in_flight, uint64_t conn
     if (h.type != frame::Type::kData || it == in_flight.end())
         throw ConnectionLost{TransferFailure::kProtocol,
                              "unexpected frame or request id"};
-    const uint32_t chunk = it->chunk;
-    const Chunk& c = chunks_[chunk];  // offset/length never change: safe unlocked
-    if (h.a != c.offset || h.b != c.length_bytes)
-        throw ConnectionLost{TransferFailure::kProtocol,
-                             "DATA range differs from the READ"};
+    InFlight& request = *it;
+    const Chunk& c = chunks_[request.chunk];  // offset/length never change: safe unlocked
+    // DATA frames of one READ arrive in order and tile its range.
+    if (h.a != c.offset + request.received_bytes || h.b > c.length_bytes - request.received_bytes)
+        throw ConnectionLost{TransferFailure::kProtocol, "DATA range does not follow the READ"};
 
     // Straight into the caller's buffer; each piece is hashed as it lands.
     XXH3_64bits_reset(hash);
-    net::IoLimits l = limits();
     l.max_piece_bytes = kRecvPieceBytes;
-    io = net::recv_all(fd, dest_ + (c.offset - source_offset_), c.length_bytes, l, &error,
+    io = net::recv_all(fd, dest_ + (h.a - source_offset_), h.b, l, &error,
                        [hash](const uint8_t* piece, uint64_t size_bytes) {
                            XXH3_64bits_update(hash, piece, size_t(size_bytes));
                        });
     if (io != net::Io::kOk) throw_io(io, error, "receive DATA");
+    if (XXH3_64bits_digest(hash) != h.c) request.corrupt = true;
+    request.received_bytes += h.b;
+    if (request.received_bytes < c.length_bytes) return;
+    const uint32_t chunk = request.chunk;
+    const bool corrupt = request.corrupt;
     in_flight.erase(it);
-    if (XXH3_64bits_digest(hash) == h.c) {
+    if (!corrupt) {
         complete_chunk(chunk);
     } else {
         requeue(chunk, connection_id, true,
-                ConnectionLost{TransferFailure::kChecksumRetriesExhausted,
-                               "checksum mismatch"});
+                ConnectionLost{TransferFailure::kChecksumRetriesExhausted, "checksum mismatch"});
     }
 }
 
@@ -346,8 +362,23 @@ std::optional<ConnectionLost> Pull::run_connection() {
     }
     std::vector<InFlight> in_flight;
     in_flight.reserve(kMaxReadsInFlight);
+    // Counts this connection in connected_ from HELLO_OK until it ends.
+    struct Connected {
+        Pull* pull = nullptr;
+        ~Connected() {
+            if (pull == nullptr) return;
+            std::lock_guard<std::mutex> lock(pull->mutex_);
+            --pull->connected_;
+            pull->changed_.notify_all();
+        }
+    } connected;
     try {
         const net::Fd fd = connect_and_hello(connection_id);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            ++connected_;
+            connected.pull = this;
+        }
         XXH3_state_t hash;
         uint64_t next_request_id = 1;
         for (;;) {

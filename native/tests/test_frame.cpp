@@ -116,7 +116,8 @@ void test_rejections() {
     r = encode(f::hello(1025));               CHECK(decode(r) == f::Status::kBadLength);
     r = encode(f::hello(0xffffffffu));        CHECK(decode(r) == f::Status::kBadLength);
     r = encode(f::hello(5)); put(r, 32, 1, 8); CHECK(decode(r) == f::Status::kBadField);
-    r = encode(f::error(1, f::ErrorCode::kProtocol, 1025)); CHECK(decode(r) == f::Status::kBadLength);
+    r = encode(f::error(1, f::ErrorCode::kProtocol, 1025));
+    CHECK(decode(r) == f::Status::kBadLength);
     r = encode(f::error(1, f::ErrorCode(0), 3)); CHECK(decode(r) == f::Status::kBadField);
     // READ: no payload, 1..64 MiB, no overflow.
     r = encode(f::read(1, 2, 3, 4)); put(r, 8, 1, 4); CHECK(decode(r) == f::Status::kBadLength);
@@ -145,7 +146,8 @@ void test_random_headers() {
             case 1: {  // a valid header with a few bit flips / byte stores
                 const f::Header seeds[] = {f::hello(uint32_t(rng() % 1025)), f::hello_ok(),
                                            f::read(rng(), rng(), rng() >> 2, 1 + rng() % 4096),
-                                           f::data(rng(), rng() >> 2, 1 + rng() % (64 << 20), rng()),
+                                           f::data(rng(), rng() >> 2, 1 + rng() % (64 << 20),
+                                                   rng()),
                                            f::error(rng(), f::ErrorCode(1 + rng() % 6),
                                                     uint32_t(rng() % 1025))};
                 raw = encode(seeds[rng() % 5]);
@@ -167,8 +169,8 @@ void test_random_headers() {
         f::Header h;
         const bool ok = f::decode_header(raw.data(), raw.size(), &h) == f::Status::kOk;
         if (ok != reference_valid(raw)) {
-            std::fprintf(stderr, "case %d: decode %s, reference %s\n", i, ok ? "accepts" : "rejects",
-                         reference_valid(raw) ? "accepts" : "rejects");
+            std::fprintf(stderr, "case %d: decode %s, reference %s\n", i,
+                         ok ? "accepts" : "rejects", reference_valid(raw) ? "accepts" : "rejects");
             ++failures;
             if (failures > 10) return;
         }

@@ -150,8 +150,9 @@ void test_rejections() {
     std::vector<uint8_t> dest;
     CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kBadToken,
                                         [&] { fx.pull(0, 1 << 20, dest, 2, 0, 5000, "wrong"); }));
-    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kTicketRejected,
-                                        [&] { fx.pull(0, 1 << 20, dest, 2, 0, 5000, kToken, 12345); }));
+    CHECK(fails_with<tc::TransferError>(
+        tc::TransferFailure::kTicketRejected,
+        [&] { fx.pull(0, 1 << 20, dest, 2, 0, 5000, kToken, 12345); }));
     const uint64_t short_lived = fx.server.open_ticket(0, 1 << 20, 1);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     CHECK(fails_with<tc::TransferError>(
@@ -343,9 +344,11 @@ void test_server_protocol_errors() {
 void test_connection_cap() {
     Fixture fx;
     std::vector<int> fds;
-    for (uint32_t i = 0; i < tc::kMaxServerConnections; ++i) fds.push_back(raw_connect(fx.server.port()));
+    for (uint32_t i = 0; i < tc::kMaxServerConnections; ++i)
+        fds.push_back(raw_connect(fx.server.port()));
     const auto start = Clock::now();
-    while (fx.server.stats().active_connections < tc::kMaxServerConnections && seconds_since(start) < 5)
+    while (fx.server.stats().active_connections < tc::kMaxServerConnections &&
+           seconds_since(start) < 5)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
     CHECK(fx.server.stats().active_connections == tc::kMaxServerConnections);
     const int extra = raw_connect(fx.server.port());

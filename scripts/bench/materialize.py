@@ -22,10 +22,10 @@ The script starts its own cluster (`tc up`) in a temporary state dir and always 
 (`tc down`). The generated model lives in a temporary dir, removed at the end unless `--keep`
 or `--workdir` is given (a `--workdir` with a matching model is reused).
 
-Other programs on the host skew the figures. Each child reports how much user-mode CPU the rest
-of the host took while it timed itself (`other_cpu_s`, `other_cpu_share`); before each run the
-parent waits (up to `--settle` s) for the CPUs to go idle, and a run during which others took over
-25% of the CPUs is redone (up to `--retries` times, within `--budget-s`).
+Other programs on the host skew the figures. Each child reports how much CPU the rest of the
+host (kernel threads aside) took while it timed itself (`other_cpu_s`, `other_cpu_share`);
+before each run the parent waits (up to `--settle` s) for the CPUs to go idle, and a run during
+which others took over 25% of the CPUs is redone (up to `--retries` times, within `--budget-s`).
 
 Prints one JSON line with every figure, then a human-readable table.
 
@@ -110,26 +110,45 @@ def proc_status() -> dict[str, int]:
     return out
 
 
-def cpu_snapshot() -> tuple[float, float]:
-    """(user-mode CPU seconds of the whole host, user-mode CPU seconds of this process).
+def _kernel_threads_cpu_ticks() -> int:
+    """CPU ticks used so far by kernel threads (I/O workers, reclaim...)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[6]) & 0x00200000:  # PF_KTHREAD
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total
 
-    User mode only: the kernel's own work for a mode (page faults, disk I/O threads) is part of
-    what is measured, while other programs on the host (builds, tests) run mostly in user mode.
+
+def cpu_snapshot() -> tuple[float, float]:
+    """(CPU seconds the host spent in processes other than kernel threads, CPU seconds of this
+    process), both user + system.
+
+    Kernel threads and interrupts are left out: they do a mode's own I/O (mode b). Everything
+    else that ran besides this process is other programs, or the tensorcast worker serving us.
     """
     import resource
 
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    own = usage.ru_utime + usage.ru_stime
     try:
         with open("/proc/stat") as f:
-            user, nice = (int(x) for x in f.readline().split()[1:3])
-    except (OSError, ValueError):
+            user, nice, system = (int(x) for x in f.readline().split()[1:4])
+        kthreads = _kernel_threads_cpu_ticks()
+    except (OSError, ValueError, IndexError):
         return float("nan"), own
-    return (user + nice) / os.sysconf("SC_CLK_TCK"), own
+    return (user + nice + system - kthreads) / os.sysconf("SC_CLK_TCK"), own
 
 
 def other_cpu(before: tuple[float, float], after: tuple[float, float], wall: float) -> dict:
-    """How much user-mode CPU everything else on the host (the tensorcast worker included) took
-    while a child was timing itself, in seconds and as a share of all CPUs: a noise indicator."""
+    """How much CPU everything else on the host (the tensorcast worker included) took while a
+    child was timing itself, in seconds and as a share of all CPUs: a noise indicator."""
     other = max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
     if other != other:  # nan: no /proc/stat
         return {}

@@ -22,6 +22,10 @@ def start(
     listen: Annotated[
         str, typer.Option("--listen", help="HOST:PORT to serve on (port 0: any).")
     ] = "127.0.0.1:7400",
+    metrics_listen: Annotated[
+        str,
+        typer.Option("--metrics-listen", help="HOST:PORT for /metrics and /healthz (port 0: any)."),
+    ] = "127.0.0.1:0",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
@@ -54,5 +58,10 @@ def start(
         listen,
         token,
         timing().heartbeat_ttl_s,
-        on_ready=lambda addr: announce(ready_file, as_json, {"addr": addr, "pid": os.getpid()}),
+        on_ready=lambda addr, metrics_addr: announce(
+            ready_file,
+            as_json,
+            {"addr": addr, "pid": os.getpid(), "metrics_addr": metrics_addr},
+        ),
+        metrics_listen=metrics_listen,
     )

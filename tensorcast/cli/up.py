@@ -36,11 +36,21 @@ def command(
         "state_dir": str(result.state_dir),
         "store_addr": r.store_addr,
         "processes": [
-            {"role": p.role, "name": p.name, "pid": p.pid, "addr": p.addr, "log": p.log}
+            {
+                "role": p.role,
+                "name": p.name,
+                "pid": p.pid,
+                "addr": p.addr,
+                "log": p.log,
+                "metrics_addr": p.metrics_addr,
+            }
             for p in r.processes
         ],
     }
     verb = "already running" if result.already_running else "started"
     lines = [f"cluster {verb}: store {r.store_addr}, state dir {result.state_dir}"]
-    lines += [f"  {p.name:<10} pid {p.pid:<8} {p.addr}" for p in r.processes]
+    lines += [
+        f"  {p.name:<10} pid {p.pid:<8} {p.addr:<22} metrics http://{p.metrics_addr}/metrics"
+        for p in r.processes
+    ]
     emit(as_json, data, "\n".join(lines))

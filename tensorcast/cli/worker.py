@@ -36,6 +36,10 @@ def start(
             show_default=False,
         ),
     ] = None,
+    metrics_listen: Annotated[
+        str,
+        typer.Option("--metrics-listen", help="HOST:PORT for /metrics and /healthz (port 0: any)."),
+    ] = "127.0.0.1:0",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
@@ -76,9 +80,15 @@ def start(
         t.heartbeat_interval_s,
         t.rpc_timeout_s,
         disk_dir=disk,
+        metrics_listen=metrics_listen,
         on_ready=lambda node: announce(
             ready_file,
             as_json,
-            {"addr": node.addr, "pid": os.getpid(), "worker_id": node.worker_id},
+            {
+                "addr": node.addr,
+                "pid": os.getpid(),
+                "worker_id": node.worker_id,
+                "metrics_addr": node.metrics_addr,
+            },
         ),
     )

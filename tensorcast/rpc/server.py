@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -12,6 +13,7 @@ import grpc
 
 from tensorcast.config import MAX_MESSAGE_BYTES
 from tensorcast.errors import TensorcastError
+from tensorcast.metrics import RPC_LATENCY
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +24,7 @@ def _abort(context: grpc.ServicerContext, error: TensorcastError) -> None:
     context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
 
 
-def _guard(behavior: Callable, token: str, streaming_response: bool) -> Callable:
+def _guard(behavior: Callable, token: str, streaming_response: bool, method: str) -> Callable:
     def authorized(context: grpc.ServicerContext) -> bool:
         sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
         if isinstance(sent, bytes):
@@ -35,23 +37,30 @@ def _guard(behavior: Callable, token: str, streaming_response: bool) -> Callable
         )
         return False
 
+    name = method.rpartition("/")[2]
     if streaming_response:
 
         def stream_wrapper(request: Any, context: grpc.ServicerContext):
             authorized(context)
+            started = time.perf_counter()
             try:
                 yield from behavior(request, context)
             except TensorcastError as e:
                 _abort(context, e)
+            finally:
+                RPC_LATENCY.observe(name, time.perf_counter() - started)
 
         return stream_wrapper
 
     def unary_wrapper(request: Any, context: grpc.ServicerContext):
         authorized(context)
+        started = time.perf_counter()
         try:
             return behavior(request, context)
         except TensorcastError as e:
             _abort(context, e)
+        finally:
+            RPC_LATENCY.observe(name, time.perf_counter() - started)
 
     return unary_wrapper
 
@@ -65,21 +74,21 @@ class GuardInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         if handler.unary_unary:
-            fn = _guard(handler.unary_unary, self._token, False)
+            fn = _guard(handler.unary_unary, self._token, False, handler_call_details.method)
             return grpc.unary_unary_rpc_method_handler(
                 fn, handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream:
-            fn = _guard(handler.unary_stream, self._token, True)
+            fn = _guard(handler.unary_stream, self._token, True, handler_call_details.method)
             return grpc.unary_stream_rpc_method_handler(
                 fn, handler.request_deserializer, handler.response_serializer
             )
         if handler.stream_unary:
-            fn = _guard(handler.stream_unary, self._token, False)
+            fn = _guard(handler.stream_unary, self._token, False, handler_call_details.method)
             return grpc.stream_unary_rpc_method_handler(
                 fn, handler.request_deserializer, handler.response_serializer
             )
-        fn = _guard(handler.stream_stream, self._token, True)
+        fn = _guard(handler.stream_stream, self._token, True, handler_call_details.method)
         return grpc.stream_stream_rpc_method_handler(
             fn, handler.request_deserializer, handler.response_serializer
         )

@@ -18,6 +18,7 @@ class ProcessRecord:
     pid: int
     addr: str
     log: str
+    metrics_addr: str = ""
 
 
 @dataclass

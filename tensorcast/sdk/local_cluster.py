@@ -127,9 +127,14 @@ def up(state_dir: Path, workers: int, mem: str, listen_host: str = "127.0.0.1") 
                 state_dir / "run" / "store.json",
             )
             started.append(proc)
-            store_addr = _wait_ready(proc, state_dir / "run" / "store.json", log)["addr"]
+            info = _wait_ready(proc, state_dir / "run" / "store.json", log)
+            store_addr = info["addr"]
             record = ClusterRecord(store_addr, time.time())
-            record.processes.append(ProcessRecord("store", "store", proc.pid, store_addr, str(log)))
+            record.processes.append(
+                ProcessRecord(
+                    "store", "store", proc.pid, store_addr, str(log), info["metrics_addr"]
+                )
+            )
             pending = []
             for i in range(workers):
                 name = f"worker-{i + 1}"
@@ -157,7 +162,9 @@ def up(state_dir: Path, workers: int, mem: str, listen_host: str = "127.0.0.1") 
             for name, proc, ready, log in pending:  # workers pre-fault their pools in parallel
                 info = _wait_ready(proc, ready, log)
                 record.processes.append(
-                    ProcessRecord("worker", name, proc.pid, info["addr"], str(log))
+                    ProcessRecord(
+                        "worker", name, proc.pid, info["addr"], str(log), info["metrics_addr"]
+                    )
                 )
             record.save(state_dir)
             return UpResult(record, False, state_dir)

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
 from tensorcast.store.service import GlobalStoreService
@@ -18,6 +19,46 @@ log = logging.getLogger("tensorcast.store")
 SWEEP_INTERVAL_S = 0.5
 
 
+METRIC_HELP = {
+    "tc_store_artifacts": "artifacts by owner",
+    "tc_store_contents": "distinct contents",
+    "tc_store_workers": "registered workers by liveness",
+    "tc_store_worker_heartbeat_age_seconds": "time since each worker's last heartbeat",
+    "tc_store_worker_pool_bytes": "pool memory per worker and kind (capacity, used)",
+}
+
+
+def _samples(store: SqliteStore) -> list[Sample]:
+    now = time.time()
+    workers = store.list_workers(now)
+    artifacts = store.list_artifacts("", now)
+    _, num_contents = store.counts()
+    samples: list[Sample] = [
+        ("tc_store_artifacts", {"owner": owner}, sum(a.owner == owner for a in artifacts))
+        for owner in ("system", "lease")
+    ]
+    samples.append(("tc_store_contents", {}, num_contents))
+    for alive in (True, False):
+        samples.append(
+            (
+                "tc_store_workers",
+                {"state": "alive" if alive else "dead"},
+                sum(w.alive == alive for w in workers),
+            )
+        )
+    for w in workers:
+        samples.append(
+            ("tc_store_worker_heartbeat_age_seconds", {"worker": w.name}, w.heartbeat_age_s)
+        )
+        samples.append(
+            ("tc_store_worker_pool_bytes", {"worker": w.name, "kind": "capacity"}, w.mem_cap_bytes)
+        )
+        samples.append(
+            ("tc_store_worker_pool_bytes", {"worker": w.name, "kind": "used"}, w.mem_used_bytes)
+        )
+    return samples
+
+
 def serve(
     db_path: Path,
     listen: str,
@@ -25,6 +66,7 @@ def serve(
     heartbeat_ttl_s: float,
     on_ready=None,
     stop_event: threading.Event | None = None,
+    metrics_listen: str = "127.0.0.1:0",
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`). `on_ready(addr)` runs once listening."""
     store = SqliteStore(db_path, heartbeat_ttl_s)
@@ -34,18 +76,25 @@ def serve(
     )
     addr = bind(server, listen)
     server.start()
+    metrics = MetricsServer(
+        metrics_listen,
+        lambda: _samples(store),
+        METRIC_HELP,
+        lambda: (True, {"db": str(db_path), "schema_version": store.schema_version}),
+    )
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     log.info("global store listening on %s, db %s, schema v%s", addr, db_path, store.schema_version)
     if on_ready:
-        on_ready(addr)
+        on_ready(addr, metrics.addr)
     while not stop.wait(SWEEP_INTERVAL_S):
         try:
             store.sweep(time.time())
         except Exception:  # keep serving; the next sweep retries
             log.exception("sweep failed")
     log.info("global store stopping")
+    metrics.close()
     server.stop(grace=0.5).wait(5)
     store.close()

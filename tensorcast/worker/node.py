@@ -45,6 +45,7 @@ class WorkerNode:
         self.token = token
         self.addr = ""
         self.data_addr = ""
+        self.metrics_addr = ""
         # Outgoing transfers in flight (set by the transfer service): the load peers see.
         self.active_transfers: Callable[[], int] = lambda: 0
         self.store_addr = store_addr
@@ -56,6 +57,7 @@ class WorkerNode:
             rpc_timeout_s,
         )
         self._stop = threading.Event()
+        self.last_heartbeat_ok = time.monotonic()
 
     @property
     def local_socket(self) -> str:
@@ -216,6 +218,7 @@ class WorkerNode:
             log.warning("global store does not know this worker; registering again")
             self.register()
             reply = self.store.call("Heartbeat", request)
+        self.last_heartbeat_ok = time.monotonic()
         for content_id in reply.drop_content_ids:
             if self.pool.drop(content_id, unless_committed_after=sent_at):
                 log.info("dropped content %s (no artifact references it)", content_id)

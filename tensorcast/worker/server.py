@@ -6,12 +6,14 @@ import logging
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import psutil
 
 from tensorcast.config import fault_injection
 from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
 from tensorcast.transport import native
@@ -40,6 +42,39 @@ def advertised(addr: str) -> str:
     return f"{host}:{port}"
 
 
+METRIC_HELP = {
+    "tc_pool_bytes": "pool memory by tier and kind (capacity, used)",
+    "tc_replicas": "replicas held, by tier",
+    "tc_pinned_replicas": "replicas pinned in memory",
+    "tc_transfer_sent_bytes_total": "bytes sent to peers by the native data server",
+    "tc_transfer_received_bytes_total": "bytes pulled from peers into this worker",
+    "tc_transfers_active": "outgoing transfers (open tickets)",
+    "tc_heartbeat_age_seconds": "time since the last heartbeat the Global Store acknowledged",
+}
+
+
+def _samples(node: WorkerNode, transfers: Transfers) -> list[Sample]:
+    stats = node.pool.stats()
+    disk = node.disk.content_ids() if node.disk else []
+    return [
+        ("tc_pool_bytes", {"tier": "cpu", "kind": "capacity"}, stats.capacity_bytes),
+        ("tc_pool_bytes", {"tier": "cpu", "kind": "used"}, stats.used_bytes),
+        ("tc_replicas", {"tier": "cpu"}, stats.num_contents),
+        ("tc_replicas", {"tier": "disk"}, len(disk)),
+        ("tc_pinned_replicas", {}, len(stats.pinned_content_ids)),
+        ("tc_transfer_sent_bytes_total", {}, transfers.data_server.stats()["bytes_sent"]),
+        ("tc_transfer_received_bytes_total", {}, transfers.bytes_received_total),
+        ("tc_transfers_active", {}, transfers.active()),
+        ("tc_heartbeat_age_seconds", {}, time.monotonic() - node.last_heartbeat_ok),
+    ]
+
+
+def _health(node: WorkerNode, heartbeat_interval_s: float) -> tuple[bool, dict]:
+    age = time.monotonic() - node.last_heartbeat_ok
+    ok = age < 5 * heartbeat_interval_s + 1
+    return ok, {"worker_id": node.worker_id, "name": node.name, "heartbeat_age_s": round(age, 3)}
+
+
 def serve(
     store_addr: str,
     listen: str,
@@ -50,6 +85,7 @@ def serve(
     heartbeat_interval_s: float,
     rpc_timeout_s: float,
     disk_dir: Path | None = None,
+    metrics_listen: str = "127.0.0.1:0",
     on_ready=None,
     stop_event: threading.Event | None = None,
 ) -> None:
@@ -76,6 +112,13 @@ def serve(
     server.start()
     local = LocalServer(node)
     local.start()
+    metrics = MetricsServer(
+        metrics_listen,
+        lambda: _samples(node, transfers),
+        METRIC_HELP,
+        lambda: _health(node, heartbeat_interval_s),
+    )
+    node.metrics_addr = metrics.addr
     node.register()
     node.start_heartbeats(heartbeat_interval_s, on_tick=transfers.expire)
     stop = stop_event or threading.Event()
@@ -96,6 +139,7 @@ def serve(
     stop.wait()
     log.info("worker %s stopping", node.name)
     local.close()
+    metrics.close()
     data_server.stop()
     node.stop()
     server.stop(grace=0.5).wait(5)

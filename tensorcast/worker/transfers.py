@@ -57,6 +57,7 @@ class Transfers:
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
         self._peers: dict[str, Stub] = {}
+        self.bytes_received_total = 0
         node.active_transfers = self.active
 
     # -- serving peers -------------------------------------------------------------------------
@@ -188,6 +189,8 @@ class Transfers:
                 finally:
                     self._close_remote(peer, ticket.ticket, deadline)
                 node.commit(res.reservation_id, tensors, verify_hashes=True, replica=True)
+                with self._lock:
+                    self.bytes_received_total += ticket.size_bytes
                 return PrefetchResult(
                     False,
                     ticket.size_bytes,

@@ -1,0 +1,60 @@
+"""Prometheus /metrics and /healthz on the Global Store and workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+
+import torch
+from conftest import wait_until
+
+
+def _get(addr: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _parse(text: str) -> dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value}; every non-comment line must parse."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        samples[key] = float(value)
+    return samples
+
+
+def test_metrics_follow_the_cluster(fresh_cluster):
+    store = next(p for p in fresh_cluster.record.processes if p.role == "store")
+    worker = next(p for p in fresh_cluster.record.processes if p.role == "worker")
+    with fresh_cluster.connect() as rt:
+        rt.put({"w": torch.ones(1024 * 1024)}, "m1")
+        rt.register({"k": torch.ones(8)}, "m2", ttl_s=60)
+        rt.artifact("m1").tensor_dict()
+    status, text = _get(worker.metrics_addr, "/metrics")
+    assert status == 200
+    w = _parse(text)
+    assert w['tc_pool_bytes{kind="capacity",tier="cpu"}'] == 64 * 1024 * 1024
+    assert w['tc_pool_bytes{kind="used",tier="cpu"}'] >= 4 * 1024 * 1024
+    assert w['tc_replicas{tier="cpu"}'] == 2
+    heartbeats = 'tc_rpc_duration_seconds_count{method="Heartbeat"}'
+    s = wait_until(
+        lambda: (m := _parse(_get(store.metrics_addr, "/metrics")[1])).get(heartbeats) and m, 5
+    )
+    assert s['tc_store_artifacts{owner="system"}'] == 1
+    assert s['tc_store_artifacts{owner="lease"}'] == 1
+    assert s['tc_store_workers{state="alive"}'] == 1
+    assert s['tc_rpc_duration_seconds_bucket{method="CreateArtifact",le="+Inf"}'] == 2
+    status, body = _get(worker.metrics_addr, "/healthz")
+    assert status == 200 and json.loads(body)["ok"]
+    assert _get(worker.metrics_addr, "/nope")[0] == 404
+    # A worker cut off from its store turns unhealthy.
+    os.kill(store.pid, signal.SIGKILL)
+    wait_until(lambda: _get(worker.metrics_addr, "/healthz")[0] == 503, 10, 0.2)
