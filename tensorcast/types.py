@@ -153,6 +153,7 @@ class WorkerInfo:
     alive: bool
     data_addr: str = ""
     active_transfers: int = 0
+    transfer_bytes_total: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -168,4 +169,5 @@ class WorkerInfo:
             "alive": self.alive,
             "data_addr": self.data_addr,
             "active_transfers": self.active_transfers,
+            "transfer_bytes_total": self.transfer_bytes_total,
         }

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <cstdlib>
 #include <list>
 #include <mutex>
 #include <system_error>
@@ -31,7 +30,10 @@ constexpr int kIdleTimeoutMs = 300'000;          // no READ for this long: close
 constexpr int kSendStallTimeoutMs = 30'000;      // client stopped reading
 constexpr size_t kTicketSweepThreshold = 4096;   // prune expired tickets above this
 constexpr int kListenBacklog = 512;
-static const uint64_t kDataFrameBytes = getenv("TC_FRAME") ? atoll(getenv("TC_FRAME")) : (256 << 10);
+// A READ is answered with DATA frames of at most this size, so the piece just
+// hashed is still in L2 when sendmsg copies it (whole 4 MiB chunks, times the
+// connections, fall out of cache between the hash and the copy).
+constexpr uint64_t kDataFrameBytes = 256 << 10;
 
 uint64_t random_u64() {
     uint64_t value = 0;
@@ -388,7 +390,7 @@ void DataServer::Impl::serve(Connection* connection) {
         limits.deadline = Clock::time_point::max();
         for (uint64_t done = 0; done < h.c;) {
             const uint64_t offset = h.b + done;
-            const uint64_t size = kDataFrameBytes ? std::min(kDataFrameBytes, h.c - done) : h.c;
+            const uint64_t size = std::min(kDataFrameBytes, h.c - done);
             const uint8_t* payload = base + offset;
             uint64_t checksum = XXH3_64bits(payload, size_t(size));
             if (corrupt && done == 0) checksum ^= 1;  // one bit, in the checksum only

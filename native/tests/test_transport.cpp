@@ -331,6 +331,17 @@ void test_server_protocol_errors() {
         CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kData && h.request_id == 7 &&
               h.a == 100 && h.b == 1000);
         CHECK(raw_read_frame(fd, &h) && h.type == f::Type::kData && h.request_id == 8);
+        // A READ larger than one DATA frame comes back as frames tiling it in order.
+        f::encode_header(f::read(10, fx.ticket, 777, 600 << 10), raw);
+        CHECK(::send(fd, raw, f::kHeaderBytes, 0) == ssize_t(f::kHeaderBytes));
+        uint64_t next = 777;
+        int frames = 0;
+        while (next < 777 + (600 << 10) && raw_read_frame(fd, &h) && h.type == f::Type::kData &&
+               h.request_id == 10 && h.a == next) {
+            next += h.b;
+            ++frames;
+        }
+        CHECK(next == 777 + (600 << 10) && frames == 3);
         f::encode_header(f::read(9, fx.ticket, 0, 1000), raw);
         raw[40 + 3] = 0x10;  // length 256 MiB + 1000: over the limit
         CHECK(::send(fd, raw, f::kHeaderBytes, 0) == ssize_t(f::kHeaderBytes));

@@ -17,6 +17,7 @@ from tensorcast.cli import (
     show,
     status,
     store,
+    top,
     unpin,
     up,
     worker,
@@ -31,7 +32,7 @@ app = typer.Typer(
     add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-for module in (up, down, status, put, get, ls, show, rm, prefetch, pin, unpin):
+for module in (up, down, status, top, put, get, ls, show, rm, prefetch, pin, unpin):
     app.command(name=module.NAME, help=module.__doc__)(module.command)
 app.add_typer(store.app, name="store")
 app.add_typer(worker.app, name="worker")

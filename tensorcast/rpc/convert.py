@@ -79,6 +79,7 @@ def worker_to_pb(w: WorkerInfo) -> pb.Worker:
         alive=w.alive,
         data_addr=w.data_addr,
         active_transfers=w.active_transfers,
+        transfer_bytes_total=w.transfer_bytes_total,
     )
 
 
@@ -98,4 +99,5 @@ def worker_from_pb(m: pb.Worker) -> WorkerInfo:
         alive=m.alive,
         data_addr=m.data_addr,
         active_transfers=m.active_transfers,
+        transfer_bytes_total=m.transfer_bytes_total,
     )

@@ -46,6 +46,7 @@ class MetadataStore(Protocol):
         pinned_content_ids: frozenset[str] = frozenset(),
         active_transfers: int = 0,
         disk_content_ids: frozenset[str] = frozenset(),
+        transfer_bytes_total: int = 0,
     ) -> list[str]:
         """Record liveness and reconcile the worker's inventory; returns contents to drop."""
         ...

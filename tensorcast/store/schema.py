@@ -84,7 +84,12 @@ def _v2(db: sqlite_utils.Database) -> None:
     db.table("replicas").add_column("pinned", int, not_null_default=0)
 
 
-MIGRATIONS = (_v1, _v2)
+def _v3(db: sqlite_utils.Database) -> None:
+    """Workers report their data-plane byte counter, so callers can derive transfer rates."""
+    db.table("workers").add_column("transfer_bytes_total", int, not_null_default=0)
+
+
+MIGRATIONS = (_v1, _v2, _v3)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -67,6 +67,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             frozenset(request.pinned_content_ids),
             request.active_transfers,
             frozenset(request.disk_content_ids),
+            request.transfer_bytes_total,
         )
         return pb.HeartbeatReply(drop_content_ids=drop)
 

@@ -81,6 +81,7 @@ class SqliteStore:
                     "last_heartbeat": now,
                     "data_addr": reg.data_addr,
                     "active_transfers": 0,
+                    "transfer_bytes_total": 0,
                 },
                 pk="worker_id",
             )
@@ -99,12 +100,13 @@ class SqliteStore:
         pinned_content_ids: frozenset[str] = frozenset(),
         active_transfers: int = 0,
         disk_content_ids: frozenset[str] = frozenset(),
+        transfer_bytes_total: int = 0,
     ) -> list[str]:
         with self._lock, self.db.conn:
             cursor = self.db.execute(
-                "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ?, active_transfers = ? "
-                "WHERE worker_id = ?",
-                [now, mem_used_bytes, active_transfers, worker_id],
+                "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ?, active_transfers = ?, "
+                "transfer_bytes_total = ? WHERE worker_id = ?",
+                [now, mem_used_bytes, active_transfers, transfer_bytes_total, worker_id],
             )
             if cursor.rowcount == 0:
                 raise NotFound(f"worker {worker_id} is not registered")
@@ -162,6 +164,7 @@ class SqliteStore:
             alive=age <= self.heartbeat_ttl_s,
             data_addr=r["data_addr"],
             active_transfers=r["active_transfers"],
+            transfer_bytes_total=r["transfer_bytes_total"],
         )
 
     # -- contents and replicas -----------------------------------------------------------------

@@ -48,6 +48,7 @@ class WorkerNode:
         self.metrics_addr = ""
         # Outgoing transfers in flight (set by the transfer service): the load peers see.
         self.active_transfers: Callable[[], int] = lambda: 0
+        self.transfer_bytes_total: Callable[[], int] = lambda: 0
         self.store_addr = store_addr
         self._channel = make_channel(store_addr)
         self.store = Stub(
@@ -211,6 +212,7 @@ class WorkerNode:
             pinned_content_ids=stats.pinned_content_ids,
             active_transfers=self.active_transfers(),
             disk_content_ids=self.disk.content_ids() if self.disk else [],
+            transfer_bytes_total=self.transfer_bytes_total(),
         )
         try:
             reply = self.store.call("Heartbeat", request)

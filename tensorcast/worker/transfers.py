@@ -59,6 +59,9 @@ class Transfers:
         self._peers: dict[str, Stub] = {}
         self.bytes_received_total = 0
         node.active_transfers = self.active
+        node.transfer_bytes_total = lambda: (
+            self.data_server.stats()["bytes_sent"] + self.bytes_received_total
+        )
 
     # -- serving peers -------------------------------------------------------------------------
 

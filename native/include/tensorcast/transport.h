@@ -21,7 +21,7 @@ constexpr uint32_t kMaxServerConnections = 256;
 
 struct DataServerStats {
     uint64_t bytes_sent = 0;         // DATA payload bytes fully handed to the kernel
-    uint64_t chunks_sent = 0;
+    uint64_t chunks_sent = 0;        // READs answered in full
     uint64_t active_connections = 0;
     uint64_t connections_accepted = 0;
     uint64_t connections_refused = 0;  // over kMaxServerConnections
@@ -51,11 +51,12 @@ public:
     uint64_t open_ticket(uint64_t offset, uint64_t length_bytes, uint32_t ttl_ms);
     void close_ticket(uint64_t id);  // unknown ids are ignored
 
-    // Test hooks. The next n DATA frames (any connection) carry a checksum with
-    // one bit flipped. The memory itself is never touched.
+    // Test hooks; a "chunk" is the full answer to one READ. The next n chunks
+    // (any connection) each carry one DATA frame whose checksum has a bit
+    // flipped; the memory itself is never touched. n = 0 disarms.
     void inject_corrupt_chunks(uint32_t n);
-    // The connection that sends the n-th next DATA frame resets (RST) right
-    // after it. n = 0 disarms.
+    // The connection that sends the n-th next chunk resets (RST) right after
+    // it, like a crashed source. n = 0 disarms.
     void inject_close_after_chunks(uint32_t n);
 
     DataServerStats stats() const;

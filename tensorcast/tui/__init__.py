@@ -1,0 +1,1 @@
+"""`tc top`: a live view of a cluster, built on the SDK only."""
