@@ -643,6 +643,17 @@ def _fmt_others(m: dict[str, Any]) -> str:
     return f"{cpu_s * 1000:.0f} ms ({share:.0%})"
 
 
+def mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _loadavg() -> list[float] | None:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
@@ -670,6 +681,18 @@ def main_parent(args: argparse.Namespace) -> int:
     )
     report: dict[str, Any] = {}
     cluster_up = False
+    # The worker's pool (both models + headroom), one child's copy (modes a, b) and some slack.
+    model_bytes = int(args.size_gib * (1 + args.small_fraction) * GIB)
+    need = model_bytes * 1.15 + 512 * MIB + args.size_gib * GIB + GIB
+    available = mem_available()
+    if available is not None and available < need:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        sys.exit(
+            f"materialize: needs about {need / GIB:.1f} GiB of free memory, "
+            f"{available / GIB:.1f} GiB available (other programs running?)"
+        )
     try:
         log(f"[materialize] generating models in {workdir} ...")
         full = ensure_model(workdir, "full", args.size_gib, args.dtype, args.seed)

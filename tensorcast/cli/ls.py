@@ -29,8 +29,9 @@ def command(
         infos = rt.list_artifacts(prefix)
         workers = rt.workers()
     now = time.time()
+    names = {w.worker_id: w.name for w in workers}
+    data = {"artifacts": [_with_names(a.to_json(), names) for a in infos]}
     if replicas:
-        names = {w.worker_id: w.name for w in workers}
         rows = [
             [
                 a.art_id,
@@ -44,7 +45,7 @@ def command(
         ]
         emit(
             as_json,
-            {"artifacts": [a.to_json() for a in infos]},
+            data,
             table(rows, ["ID", "WORKER", "TIER", "PINNED", "SIZE"]),
         )
         return
@@ -62,6 +63,12 @@ def command(
     ]
     emit(
         as_json,
-        {"artifacts": [a.to_json() for a in infos]},
+        data,
         table(rows, ["ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "CONTENT"]),
     )
+
+
+def _with_names(artifact: dict, names: dict[str, str]) -> dict:
+    for replica in artifact["replicas"]:
+        replica["worker"] = names.get(replica["worker_id"], "")
+    return artifact

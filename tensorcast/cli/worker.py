@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tensorcast.cli.common import JsonOpt, StateDirOpt, TokenOpt, announce, state_dir_of
+from tensorcast.cli.common import AddrOpt, JsonOpt, StateDirOpt, TokenOpt, announce, state_dir_of
 from tensorcast.config import DEFAULT_WORKER_MEM
 
 app = typer.Typer(help="Run a worker (holds a slice of the tensor pool).", no_args_is_help=True)
@@ -91,4 +91,33 @@ def start(
                 "metrics_addr": node.metrics_addr,
             },
         ),
+    )
+
+
+@app.command("stop")
+def stop(
+    name: Annotated[str, typer.Argument(help="Worker name or id (see tc status).")],
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=0.1, help="Seconds to wait before SIGKILL.")
+    ] = 10.0,
+    state_dir: StateDirOpt = None,
+    addr: AddrOpt = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stop a worker running on this host (SIGTERM, then SIGKILL after --timeout). Its replicas
+    leave the cluster with it: drain what must survive first (tc prefetch to another worker)."""
+    from tensorcast.cli.common import connect, emit
+    from tensorcast.errors import InvalidArgument
+    from tensorcast.sdk.local_cluster import stop_process
+
+    with connect(state_dir, addr, token) as rt:
+        worker = rt.resolve_worker(name)
+        if not rt.is_local(worker):
+            raise InvalidArgument(f"worker {name!r} runs on another host: stop it there")
+    killed = stop_process(worker.pid, timeout)
+    emit(
+        as_json,
+        {"name": worker.name, "worker_id": worker.worker_id, "pid": worker.pid, "killed": killed},
+        f"stopped {worker.name} (pid {worker.pid}{', killed' if killed else ''})",
     )

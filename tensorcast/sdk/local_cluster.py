@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from tensorcast.errors import TensorcastError, Unavailable
+from tensorcast.errors import NotFound, TensorcastError, Unavailable
 from tensorcast.sdk.cluster_file import ClusterRecord, ProcessRecord, read_token, write_token
 
 START_TIMEOUT_S = 60.0
@@ -35,11 +35,16 @@ def _state_lock(state_dir: Path) -> Iterator[None]:
 
 
 def _is_ours(pid: int) -> bool:
+    """A live TensorCast process (started as `tc ...`, `tensorcast ...` or `-m tensorcast...`),
+    so a recycled pid is never signalled."""
     try:
-        cmdline = " ".join(psutil.Process(pid).cmdline())
+        cmdline = psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
-    return "tensorcast" in cmdline
+    return any(
+        os.path.basename(arg) in ("tc", "tensorcast") or arg.startswith("tensorcast.")
+        for arg in cmdline[:3]
+    )
 
 
 def _wait_exit(pid: int, timeout_s: float) -> bool:
@@ -52,6 +57,17 @@ def _wait_exit(pid: int, timeout_s: float) -> bool:
         return bool(select.select([fd], [], [], timeout_s)[0])
     finally:
         os.close(fd)
+
+
+def stop_process(pid: int, timeout_s: float) -> bool:
+    """SIGTERM a TensorCast process, SIGKILL it after `timeout_s`; True if it had to be killed."""
+    if not _is_ours(pid):
+        raise NotFound(f"no TensorCast process with pid {pid} on this host")
+    os.kill(pid, signal.SIGTERM)
+    if _wait_exit(pid, timeout_s):
+        return False
+    os.kill(pid, signal.SIGKILL)
+    return True
 
 
 def _spawn(args: list[str], log: Path, token: str, ready: Path) -> subprocess.Popen:
@@ -174,13 +190,32 @@ def up(state_dir: Path, workers: int, mem: str, listen_host: str = "127.0.0.1") 
             raise
 
 
+def _extra_local_workers(state_dir: Path, record: ClusterRecord) -> list[ProcessRecord]:
+    """Workers of this cluster on this host that `tc up` did not start (`tc worker start`, an
+    autoscaler): `tc down` stops them too, so no worker outlives its store."""
+    from tensorcast.sdk.runtime import connect
+
+    known = {p.pid for p in record.processes}
+    try:
+        with connect(record.store_addr, state_dir=state_dir, timeout_s=5.0) as rt:
+            return [
+                ProcessRecord("worker", w.name, w.pid, w.addr, "")
+                for w in rt.workers()
+                if w.alive and rt.is_local(w) and w.pid not in known
+            ]
+    except TensorcastError:
+        return []  # the store is gone: nothing more to learn
+
+
 def down(state_dir: Path) -> list[ProcessRecord]:
-    """Stop the recorded processes (workers first, then the store); returns what was stopped."""
+    """Stop the cluster's processes on this host (workers first, then the store); returns them."""
     with _state_lock(state_dir):
         record = ClusterRecord.load(state_dir)
         if record is None:
             return []
-        ordered = sorted(record.processes, key=lambda p: p.role == "store")
+        ordered = _extra_local_workers(state_dir, record) + sorted(
+            record.processes, key=lambda p: p.role == "store"
+        )
         stopped = []
         for group in (
             [p for p in ordered if p.role == "worker"],
