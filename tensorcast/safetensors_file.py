@@ -14,7 +14,6 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.types import DTYPE_ITEMSIZE, tensor_nbytes
@@ -128,10 +127,6 @@ def _parse_entry(name: str, entry: object, bad) -> FileTensor:
             f"but its data_offsets span {end - begin}"
         )
     return FileTensor(name, dtype, tuple(shape), begin, end)
-
-
-class _Buffer(Protocol):
-    def __len__(self) -> int: ...
 
 
 def encode_header(

@@ -36,6 +36,10 @@ TokenOpt = Annotated[
         show_default=False,
     ),
 ]
+MetricsListenOpt = Annotated[
+    str,
+    typer.Option("--metrics-listen", help="HOST:PORT for /metrics and /healthz (port 0: any)."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for scripts.")]
 
 

@@ -8,7 +8,14 @@ from typing import Annotated
 
 import typer
 
-from tensorcast.cli.common import JsonOpt, StateDirOpt, TokenOpt, announce, state_dir_of
+from tensorcast.cli.common import (
+    JsonOpt,
+    MetricsListenOpt,
+    StateDirOpt,
+    TokenOpt,
+    announce,
+    state_dir_of,
+)
 
 app = typer.Typer(help="Run the Global Store (control-plane metadata).", no_args_is_help=True)
 
@@ -22,10 +29,7 @@ def start(
     listen: Annotated[
         str, typer.Option("--listen", help="HOST:PORT to serve on (port 0: any).")
     ] = "127.0.0.1:7400",
-    metrics_listen: Annotated[
-        str,
-        typer.Option("--metrics-listen", help="HOST:PORT for /metrics and /healthz (port 0: any)."),
-    ] = "127.0.0.1:0",
+    metrics_listen: MetricsListenOpt = "127.0.0.1:0",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,

@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from tensorcast.cli.common import AddrOpt, JsonOpt, StateDirOpt, TokenOpt, announce, state_dir_of
+from tensorcast.cli.common import (
+    AddrOpt,
+    JsonOpt,
+    MetricsListenOpt,
+    StateDirOpt,
+    TokenOpt,
+    announce,
+    state_dir_of,
+)
 from tensorcast.config import DEFAULT_WORKER_MEM
 
 app = typer.Typer(help="Run a worker (holds a slice of the tensor pool).", no_args_is_help=True)
@@ -36,10 +44,7 @@ def start(
             show_default=False,
         ),
     ] = None,
-    metrics_listen: Annotated[
-        str,
-        typer.Option("--metrics-listen", help="HOST:PORT for /metrics and /healthz (port 0: any)."),
-    ] = "127.0.0.1:0",
+    metrics_listen: MetricsListenOpt = "127.0.0.1:0",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
