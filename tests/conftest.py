@@ -14,7 +14,7 @@ import pytest
 
 # Fast liveness for tests; inherited by every process the fixtures start.
 os.environ["TC_HEARTBEAT_INTERVAL_S"] = "0.2"
-os.environ["TC_HEARTBEAT_TTL_S"] = "1.5"
+os.environ["TC_HEARTBEAT_TTL_S"] = "3.0"
 os.environ.pop("TC_ADDR", None)
 os.environ.pop("TC_TOKEN", None)
 

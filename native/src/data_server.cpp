@@ -30,10 +30,6 @@ constexpr int kIdleTimeoutMs = 300'000;          // no READ for this long: close
 constexpr int kSendStallTimeoutMs = 30'000;      // client stopped reading
 constexpr size_t kTicketSweepThreshold = 4096;   // prune expired tickets above this
 constexpr int kListenBacklog = 512;
-// A READ is answered with DATA frames of at most this size, so the piece just
-// hashed is still in L2 when sendmsg copies it (whole 4 MiB chunks, times the
-// connections, fall out of cache between the hash and the copy).
-constexpr uint64_t kDataFrameBytes = 256 << 10;
 
 uint64_t random_u64() {
     uint64_t value = 0;
@@ -382,26 +378,18 @@ void DataServer::Impl::serve(Connection* connection) {
             if (!send_error(fd, h.request_id, code, text)) return;
             continue;
         }
-        // The READ is answered with DATA frames of at most kDataFrameBytes: each
-        // piece is hashed into cache and then copied from there by sendmsg
-        // (header and payload in one call, straight from the pool).
-        const bool corrupt = take_one(corrupt_countdown) != 0;
+        // Straight from the pool: header and payload leave in one sendmsg.
+        const uint8_t* payload = base + h.b;
+        uint64_t checksum = XXH3_64bits(payload, size_t(h.c));
+        if (take_one(corrupt_countdown) != 0) checksum ^= 1;
+        uint8_t header[frame::kHeaderBytes];
+        frame::encode_header(frame::data(h.request_id, h.b, h.c, checksum), header);
+        iovec iov[2] = {{header, sizeof header},
+                        {const_cast<uint8_t*>(payload), size_t(h.c)}};
         limits.stall_ms = kSendStallTimeoutMs;
         limits.deadline = Clock::time_point::max();
-        for (uint64_t done = 0; done < h.c;) {
-            const uint64_t offset = h.b + done;
-            const uint64_t size = std::min(kDataFrameBytes, h.c - done);
-            const uint8_t* payload = base + offset;
-            uint64_t checksum = XXH3_64bits(payload, size_t(size));
-            if (corrupt && done == 0) checksum ^= 1;  // one bit, in the checksum only
-            uint8_t header[frame::kHeaderBytes];
-            frame::encode_header(frame::data(h.request_id, offset, size, checksum), header);
-            iovec iov[2] = {{header, sizeof header},
-                            {const_cast<uint8_t*>(payload), size_t(size)}};
-            if (net::send_all(fd, iov, 2, limits, nullptr) != net::Io::kOk) return;
-            bytes_sent += size;
-            done += size;
-        }
+        if (net::send_all(fd, iov, 2, limits, nullptr) != net::Io::kOk) return;
+        bytes_sent += h.c;
         ++chunks_sent;
         if (take_one(close_countdown) == 1) {
             // Abort (RST, not FIN) to look like a crashed source.

@@ -32,6 +32,7 @@ constexpr int kIdleWaitMs = 100;             // re-check period of an idle conne
 constexpr int kReceiveStallMs = 10'000;
 // recv() at most this much at a time so each piece is hashed while still in cache.
 constexpr uint64_t kRecvPieceBytes = 256 << 10;
+constexpr uint64_t kMaxPullChunks = 1 << 20;
 
 // Ends one connection; the chunks it had in flight go back to the queue.
 struct ConnectionLost {
@@ -58,8 +59,6 @@ struct Chunk {
 struct InFlight {
     uint64_t request_id;
     uint32_t chunk;
-    uint64_t received_bytes = 0;  // the server may answer one READ with several DATA frames
-    bool corrupt = false;         // one of those frames failed its checksum
 };
 
 constexpr int64_t kNoChunk = -1;
@@ -326,31 +325,27 @@ void Pull::receive_frame(int fd, std::vector<InFlight>& in_flight, uint64_t conn
     if (h.type != frame::Type::kData || it == in_flight.end())
         throw ConnectionLost{TransferFailure::kProtocol,
                              "unexpected frame or request id"};
-    InFlight& request = *it;
-    const Chunk& c = chunks_[request.chunk];  // offset/length never change: safe unlocked
-    // DATA frames of one READ arrive in order and tile its range.
-    if (h.a != c.offset + request.received_bytes || h.b > c.length_bytes - request.received_bytes)
-        throw ConnectionLost{TransferFailure::kProtocol, "DATA range does not follow the READ"};
+    const uint32_t chunk = it->chunk;
+    const Chunk& c = chunks_[chunk];  // offset/length never change: safe unlocked
+    if (h.a != c.offset || h.b != c.length_bytes)
+        throw ConnectionLost{TransferFailure::kProtocol,
+                             "DATA range differs from the READ"};
 
     // Straight into the caller's buffer; each piece is hashed as it lands.
     XXH3_64bits_reset(hash);
     l.max_piece_bytes = kRecvPieceBytes;
-    io = net::recv_all(fd, dest_ + (h.a - source_offset_), h.b, l, &error,
+    io = net::recv_all(fd, dest_ + (c.offset - source_offset_), c.length_bytes, l, &error,
                        [hash](const uint8_t* piece, uint64_t size_bytes) {
                            XXH3_64bits_update(hash, piece, size_t(size_bytes));
                        });
     if (io != net::Io::kOk) throw_io(io, error, "receive DATA");
-    if (XXH3_64bits_digest(hash) != h.c) request.corrupt = true;
-    request.received_bytes += h.b;
-    if (request.received_bytes < c.length_bytes) return;
-    const uint32_t chunk = request.chunk;
-    const bool corrupt = request.corrupt;
     in_flight.erase(it);
-    if (!corrupt) {
+    if (XXH3_64bits_digest(hash) == h.c) {
         complete_chunk(chunk);
     } else {
         requeue(chunk, connection_id, true,
-                ConnectionLost{TransferFailure::kChecksumRetriesExhausted, "checksum mismatch"});
+                ConnectionLost{TransferFailure::kChecksumRetriesExhausted,
+                               "checksum mismatch"});
     }
 }
 
@@ -501,6 +496,10 @@ PullStats pull(const std::string& host, uint16_t port, const std::string& token,
         throw std::invalid_argument("pull: source range overflows");
     if (dest == nullptr && length_bytes > 0) throw std::invalid_argument("pull: null dest");
     if (length_bytes == 0) return PullStats{};
+    // Bounds the per-pull bookkeeping (one small record per chunk).
+    if ((length_bytes - 1) / chunk_bytes >= kMaxPullChunks)
+        throw std::invalid_argument("pull: chunk_bytes too small for the length (more than " +
+                                    std::to_string(kMaxPullChunks) + " chunks)");
 
     const auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::string error;

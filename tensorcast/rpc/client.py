@@ -9,7 +9,7 @@ import grpc
 
 from tensorcast.config import MAX_MESSAGE_BYTES
 from tensorcast.errors import Unavailable, error_for_grpc_code
-from tensorcast.rpc.server import TOKEN_METADATA_KEY
+from tensorcast.rpc.server import ERROR_MARK, TOKEN_METADATA_KEY
 
 T = TypeVar("T")
 
@@ -31,6 +31,8 @@ def translate(error: grpc.RpcError, target: str) -> Exception:
     code = error.code() if hasattr(error, "code") else None
     details = error.details() if hasattr(error, "details") else str(error)
     code_name = code.name if code is not None else "UNKNOWN"
+    if details and details.startswith(ERROR_MARK):
+        return error_for_grpc_code(code_name)(details[len(ERROR_MARK) :])
     if code_name == "UNAVAILABLE":
         return Unavailable(f"cannot reach {target}: {details}. Is it running? (tc status)")
     if code_name == "DEADLINE_EXCEEDED":

@@ -20,8 +20,13 @@ log = logging.getLogger(__name__)
 TOKEN_METADATA_KEY = "x-tensorcast-token"
 
 
+# Marks statuses raised on purpose by a TensorCast service, as opposed to transport failures
+# (connection refused, reset) that gRPC reports with the same codes.
+ERROR_MARK = "tensorcast: "
+
+
 def _abort(context: grpc.ServicerContext, error: TensorcastError) -> None:
-    context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
+    context.abort(getattr(grpc.StatusCode, error.grpc_code), ERROR_MARK + str(error))
 
 
 def _guard(behavior: Callable, token: str, streaming_response: bool, method: str) -> Callable:

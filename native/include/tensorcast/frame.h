@@ -17,8 +17,7 @@
 //   HELLO_OK s->c  no payload; a = largest READ length the server accepts; b, c = 0
 //   READ     c->s  no payload; a = ticket, b = pool offset, c = length (1..kMaxDataBytes)
 //   DATA     s->c  payload = the bytes; a = pool offset, b = length (= payload_bytes),
-//                  c = XXH3-64 (seed 0) of the payload. One READ is answered by one
-//                  or more DATA frames (same request_id) that tile its range in order.
+//                  c = XXH3-64 (seed 0) of the payload
 //   ERROR    s->c  payload = message (<= 1 KiB); a = ErrorCode (!= 0); b, c = 0
 //
 // Exactly the headers encode_header can produce are accepted: unused fields must
