@@ -153,12 +153,14 @@ class AddReplicaRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class RemoveReplicaRequest(_message.Message):
-    __slots__ = ("worker_id", "content_id")
+    __slots__ = ("worker_id", "content_id", "tier")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     content_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ...) -> None: ...
+    tier: str
+    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class FindContentRequest(_message.Message):
     __slots__ = ("content_id",)

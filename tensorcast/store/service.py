@@ -86,7 +86,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         return pb.Empty()
 
     def RemoveReplica(self, request, context):
-        self.store.remove_replica(request.worker_id, request.content_id)
+        self.store.remove_replica(request.worker_id, request.content_id, request.tier)
         return pb.Empty()
 
     def FindContent(self, request, context):

@@ -27,6 +27,9 @@ from tensorcast.types import (
 
 # A content committed by a worker but not yet named by an artifact survives this long.
 UNREFERENCED_GRACE_S = 120.0
+# A heartbeat's inventory was taken before it was sent: replica rows newer than this are kept
+# even when missing from it (explicit RemoveReplica calls are immediate).
+RECONCILE_GRACE_S = 10.0
 # Dead workers stay listed (as dead) this long, so `tc status` can show them.
 DEAD_WORKER_RETENTION_S = 600.0
 MAX_ID_LENGTH = 512
@@ -120,9 +123,11 @@ class SqliteStore:
                         "DO UPDATE SET pinned = excluded.pinned",
                         [content_id, worker_id, tier, now, int(content_id in pinned_content_ids)],
                     )
-            # The worker no longer holds these (it restarted, dropped or moved them): forget them.
+            # The worker no longer holds these (it dropped or moved them without telling us):
+            # forget them. Rows younger than the grace may postdate this heartbeat's inventory.
             for content_id, tier in self.db.execute(
-                "SELECT content_id, tier FROM replicas WHERE worker_id = ?", [worker_id]
+                "SELECT content_id, tier FROM replicas WHERE worker_id = ? AND created_at < ?",
+                [worker_id, now - RECONCILE_GRACE_S],
             ).fetchall():
                 if (content_id, tier) not in held:
                     self.db.execute(
@@ -192,11 +197,12 @@ class SqliteStore:
                 [content_id, worker_id, now],
             )
 
-    def remove_replica(self, worker_id: str, content_id: str) -> None:
+    def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None:
         with self._lock, self.db.conn:
             self.db.execute(
-                "DELETE FROM replicas WHERE worker_id = ? AND content_id = ?",
-                [worker_id, content_id],
+                "DELETE FROM replicas WHERE worker_id = ? AND content_id = ? "
+                "AND (? = '' OR tier = ?)",
+                [worker_id, content_id, tier, tier],
             )
 
     def find_content(self, content_id: str, now: float) -> ContentInfo | None:

@@ -134,7 +134,7 @@ class WorkerNode:
             self.pool.release(content)
         self.pool.drop(content_id)
         log.info("spilled content %s (%d bytes) to disk", content_id, content.size_bytes)
-        self.heartbeat_once()  # the store lists the replica's new tier now
+        self._moved_tier(content_id, old_tier="cpu")
         return True
 
     def load(self, content_id: str) -> None:
@@ -155,6 +155,14 @@ class WorkerNode:
         self.commit(res.reservation_id, list(tensors), verify_hashes=True, replica=True)
         self.disk.delete(content_id)
         log.info("loaded content %s back from disk", content_id)
+        self._moved_tier(content_id, old_tier="disk")
+
+    def _moved_tier(self, content_id: str, old_tier: str) -> None:
+        """Tell the store at once: forget the old tier's row, report the new one."""
+        self.store.call(
+            "RemoveReplica",
+            pb.RemoveReplicaRequest(worker_id=self.worker_id, content_id=content_id, tier=old_tier),
+        )
         self.heartbeat_once()
 
     def commit(
