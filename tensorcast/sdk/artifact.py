@@ -116,6 +116,42 @@ class Artifact:
                 raise IntegrityError(f"tensor {t.name!r} of {self.art_id!r} arrived corrupt")
         return tmod.tensors_over(buffer, 0, info.tensors)
 
+    def transform_into(
+        self,
+        target: Mapping[str, torch.Tensor],
+        spec: Mapping[str, str] | None = None,
+        *,
+        strict: bool = True,
+    ) -> list[str]:
+        """Fill existing tensors in place (e.g. a model's parameters) from this artifact.
+
+        `spec` maps target names to artifact tensor names (default: the same names). Each target
+        must have the source's shape; dtypes convert as `Tensor.copy_` does. The source tensors
+        are mapped, not copied, so no second full-size allocation is made. With `strict`, every
+        target must have a source. Returns the names filled.
+        """
+        import torch
+
+        sources = self.tensor_dict()
+        mapping = dict(spec) if spec is not None else {name: name for name in target}
+        missing = sorted(t for t, s in mapping.items() if s not in sources)
+        if strict and missing:
+            raise InvalidArgument(f"{self.art_id!r} lacks tensors for {missing[:10]}")
+        filled = []
+        with torch.no_grad():
+            for name, source_name in mapping.items():
+                if source_name not in sources:
+                    continue
+                source, dest = sources[source_name], target[name]
+                if tuple(source.shape) != tuple(dest.shape):
+                    raise InvalidArgument(
+                        f"{name}: target shape {tuple(dest.shape)} != stored "
+                        f"{source_name} {tuple(source.shape)}"
+                    )
+                dest.copy_(source)
+                filled.append(name)
+        return filled
+
     def prefetch(
         self,
         worker: str | WorkerInfo,

@@ -1,0 +1,117 @@
+"""Model weights: TP shard plans (pure), views per rank reassembled, transform_into in place."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorcast as tc
+from tensorcast.weights import shard_plan, split_range
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 1000), st.integers(1, 16))
+def test_split_range_tiles_exactly_like_tensor_split(size, parts):
+    ranges = [split_range(size, r, parts) for r in range(parts)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    expected = [len(c) for c in torch.tensor_split(torch.arange(size), parts)]
+    assert [b - a for a, b in ranges] == expected
+
+
+def _llama_state(hidden=16, inter=24, vocab=40, layers=2, kv=8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+        "model.norm.weight": torch.randn(hidden, generator=g),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=g),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj.weight": (hidden, hidden),
+            "self_attn.k_proj.weight": (kv, hidden),
+            "self_attn.v_proj.weight": (kv, hidden),
+            "self_attn.o_proj.weight": (hidden, hidden),
+            "self_attn.q_proj.bias": (hidden,),
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+            "input_layernorm.weight": (hidden,),
+        }
+        for name, shape in shapes.items():
+            state[p + name] = torch.randn(shape, generator=g)
+    return state
+
+
+def test_shard_plan_layout_rules():
+    state = _llama_state()
+    shapes = [(n, tuple(t.shape)) for n, t in state.items()]
+    plan = shard_plan(shapes, 1, 2)
+    assert plan["model.layers.0.self_attn.q_proj.weight"] == (slice(8, 16),)
+    assert plan["model.layers.0.self_attn.q_proj.bias"] == (slice(8, 16),)
+    assert plan["model.layers.0.self_attn.o_proj.weight"] == (slice(None), slice(8, 16))
+    assert plan["model.layers.0.mlp.down_proj.weight"] == (slice(None), slice(12, 24))
+    assert "model.norm.weight" not in plan and "model.embed_tokens.weight" not in plan
+    sharded = shard_plan(shapes, 0, 3, shard_embeddings=True)
+    assert sharded["model.embed_tokens.weight"] == (slice(0, 14),)  # 40 = 14 + 13 + 13
+    with pytest.raises(tc.InvalidArgument):
+        shard_plan(shapes, 2, 2)
+    with pytest.raises(tc.InvalidArgument, match="fewer than tp_size"):
+        shard_plan([("a.q_proj.weight", (3, 4))], 0, 4)
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_tp_views_reassemble_to_the_original(rt, tp_size):
+    state = _llama_state()
+    art = rt.put(state, f"llama-tp{tp_size}@v1")
+    shapes = [(n, tuple(t.shape)) for n, t in state.items()]
+    ranks = []
+    for rank in range(tp_size):
+        plan = shard_plan(shapes, rank, tp_size)
+        view = art.view(plan, f"llama-tp{tp_size}@v1/rank{rank}")
+        assert view.size_bytes < art.size_bytes
+        ranks.append((plan, view.tensor_dict()))
+    for name, full in state.items():
+        plan0 = ranks[0][0].get(name)
+        if plan0 is None:  # replicated
+            assert all(torch.equal(r[1][name], full) for r in ranks), name
+            continue
+        dim = len(plan0) - 1
+        assert torch.equal(torch.cat([r[1][name] for r in ranks], dim=dim), full), name
+
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError
+
+
+def test_transform_into_fills_parameters_in_place(rt):
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 16))
+    source = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    art = rt.put(source, "transform@v1")
+    params = dict(model.named_parameters())
+    pointers = {k: v.data_ptr() for k, v in params.items()}
+    gc.collect()
+    before = _rss_anon()
+    filled = art.transform_into(params)
+    grown = _rss_anon() - before
+    assert sorted(filled) == sorted(params)
+    for name, p in params.items():
+        assert p.data_ptr() == pointers[name] and torch.equal(p.detach(), source[name])
+    assert grown < art.size_bytes // 4, f"RssAnon grew {grown} for a {art.size_bytes} artifact"
+    renamed = {"w": torch.empty(16, 2048)}
+    assert art.transform_into(renamed, {"w": "1.weight"}) == ["w"]
+    assert torch.equal(renamed["w"], source["1.weight"])
+    with pytest.raises(tc.InvalidArgument, match="shape"):
+        art.transform_into({"0.bias": torch.empty(3)})
+    with pytest.raises(tc.InvalidArgument, match="lacks"):
+        art.transform_into({"nope": torch.empty(3)})
