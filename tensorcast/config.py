@@ -147,3 +147,10 @@ def fault_injection() -> FaultInjection:
         corrupt_chunks=int(_env_float("TC_FAULT_CORRUPT_CHUNKS", 0)),
         close_after_chunks=int(_env_float("TC_FAULT_CLOSE_AFTER_CHUNKS", 0)),
     )
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("TC_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tensorcast"

@@ -151,16 +151,3 @@ def encode_header(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-def list_safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
-    """A file, or every `*.safetensors` in a directory (sorted); clear error when there are none."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
-        if not files:
-            raise InvalidArgument(f"{path}: directory holds no .safetensors files")
-        return files
-    if path.is_file():
-        return [path]
-    raise InvalidArgument(f"{path}: no such file or directory")

@@ -115,3 +115,68 @@ def test_transform_into_fills_parameters_in_place(rt):
         art.transform_into({"0.bias": torch.empty(3)})
     with pytest.raises(tc.InvalidArgument, match="lacks"):
         art.transform_into({"nope": torch.empty(3)})
+
+
+def _model_dir(root: Path, state: dict[str, torch.Tensor]) -> Path:
+    import json
+
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, root / file)
+        weight_map.update({k: file for k in keys})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (root / "config.json").write_text('{"model_type": "llama", "hidden_size": 16}')
+    (root / "tokenizer.json").write_text('{"version": "1.0"}')
+    (root / "pytorch_model.bin").write_bytes(b"not copied")
+    return root
+
+
+def test_put_model_directory_with_index_and_files(rt, tmp_path, monkeypatch):
+    from tensorcast.sdk import writes
+
+    state = _llama_state()
+    directory = _model_dir(tmp_path / "llama", state)
+    art = rt.put_files("llama-dir@v1", directory)
+    got = art.tensor_dict()
+    assert set(got) == set(state)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    files = art.files()
+    assert files["config.json"] == (directory / "config.json").read_bytes()
+    assert set(files) == {"config.json", "tokenizer.json", "model.safetensors.index.json"}
+    # The same directory again moves no data: the read path is not even planned.
+    monkeypatch.setattr(writes, "plan_files", lambda *_: pytest.fail("re-read an unchanged dir"))
+    again = rt.put_files("llama-dir@v1-again", directory)
+    assert again.content_id == art.content_id
+
+
+@pytest.mark.parametrize("damage", ["missing_file", "tensor_twice", "file_only_tensor"])
+def test_bad_index_is_rejected_and_nothing_stored(rt, tmp_path, damage):
+    import json
+
+    directory = _model_dir(tmp_path / "bad", _llama_state())
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    if damage == "missing_file":
+        index["weight_map"][first] = "model-00003-of-00002.safetensors"
+        index_path.write_text(json.dumps(index))
+    elif damage == "tensor_twice":
+        body = json.dumps(index)
+        twice = f'"{first}": "model-00001-of-00002.safetensors", '
+        index_path.write_text(body.replace('"weight_map": {', '"weight_map": {' + twice, 1))
+    else:
+        del index["weight_map"][first]
+        index_path.write_text(json.dumps(index))
+    before = [a.art_id for a in rt.list_artifacts()]
+    with pytest.raises(tc.InvalidArgument, match=r"index|model\.safetensors"):
+        rt.put_files(f"bad-{damage}", directory)
+    assert [a.art_id for a in rt.list_artifacts()] == before

@@ -52,11 +52,11 @@ def command(
 
     from tensorcast.config import format_size
     from tensorcast.errors import InvalidArgument
-    from tensorcast.safetensors_file import list_safetensors_files
+    from tensorcast.model_dir import scan
 
     if ttl is not None and ttl <= 0:
         raise InvalidArgument("--ttl must be > 0")
-    total = sum(p.stat().st_size for p in list_safetensors_files(path))
+    total = sum(p.stat().st_size for p in scan(path).fingerprint_paths())
     with connect(state_dir, addr, token) as rt:
         started = time.perf_counter()
         with progress_bar(total, f"put {art_id}", not as_json) as advance:

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unavailable
+from tensorcast.model_dir import FILE_PREFIX
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.types import ArtifactInfo, TensorMeta, WorkerInfo
 
@@ -48,6 +49,15 @@ class Artifact:
         self.info = self.runtime.info(self.art_id)
         return self
 
+    def files(self, *, timeout_s: float = 60.0) -> dict[str, bytes]:
+        """The small files put alongside the weights of a model directory (config.json, ...)."""
+        tensors = self._all_tensors("cpu", timeout_s)
+        return {
+            name[len(FILE_PREFIX) :]: t.numpy().tobytes()
+            for name, t in tensors.items()
+            if name.startswith(FILE_PREFIX)
+        }
+
     def tensor_dict(
         self, device: str = "cpu", *, timeout_s: float = 60.0
     ) -> dict[str, torch.Tensor]:
@@ -59,7 +69,12 @@ class Artifact:
         a replica first pulls one from a peer (and keeps it for the next caller). On a host with
         no worker the bytes are pulled straight into this process's memory, checksummed per
         chunk and verified against the tensor hashes. `device` other than "cpu" copies there.
+        A model directory's other files (config.json, ...) are not tensors: see `files()`.
         """
+        tensors = self._all_tensors(device, timeout_s)
+        return {k: v for k, v in tensors.items() if not k.startswith(FILE_PREFIX)}
+
+    def _all_tensors(self, device: str, timeout_s: float) -> dict[str, torch.Tensor]:
         info = self.refresh().info
         sources = self.runtime.read_sources(info)
         local = [w for w in self.runtime.workers() if w.alive and self.runtime.is_local(w)]

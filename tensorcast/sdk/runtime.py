@@ -199,16 +199,27 @@ class Runtime:
         worker: str | None = None,
         progress: Progress | None = None,
     ) -> Artifact:
-        """Put a safetensors file, or every safetensors file of a directory, as one artifact.
+        """Put a safetensors file or a model directory (shards, index, config and tokenizer files)
+        as one artifact.
 
-        Headers are validated before any data moves; bytes are read by parallel positional reads
-        straight into pool memory.
+        Everything is validated before any data moves; bytes are read by parallel positional
+        reads straight into pool memory. An unchanged set of files put before (same paths, sizes,
+        mtimes) whose content the cluster still holds moves no data.
         """
-        from tensorcast.sdk import writes
+        from tensorcast import model_dir
+        from tensorcast.sdk import put_cache, writes
 
-        metas, size, filler = writes.plan_files(path)
-        committed = writes.write_content(self, metas, size, filler, progress, worker)
+        files = model_dir.scan(path)
+        key = put_cache.fingerprint(files.fingerprint_paths())
         owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
+        known = put_cache.lookup(key)
+        if known and worker is None:
+            found = self.store.call("FindContent", pb.FindContentRequest(content_id=known))
+            if found.exists and found.replicas:
+                return self._name(art_id, known, owner, ttl_s or 0.0, "")
+        metas, size, filler = writes.plan_files(files)
+        committed = writes.write_content(self, metas, size, filler, progress, worker)
+        put_cache.record(key, committed.content_id)
         return self._name(art_id, committed.content_id, owner, ttl_s or 0.0, "")
 
     def _name(

@@ -8,13 +8,13 @@ half-written.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import STREAM_CHUNK_BYTES
-from tensorcast.errors import InvalidArgument, ResourceExhausted
-from tensorcast.safetensors_file import list_safetensors_files, read_header
+from tensorcast.errors import ResourceExhausted
+from tensorcast.model_dir import FILE_PREFIX, ModelFiles
 from tensorcast.transport import native
 from tensorcast.types import TENSOR_ALIGN_BYTES, Committed, TensorMeta, align_up
 
@@ -37,33 +37,31 @@ def buffer_filler(metas: list[TensorMeta], sources: Sequence[Any]) -> Filler:
     return fill
 
 
-def plan_files(path: str | os.PathLike[str]) -> tuple[list[TensorMeta], int, Filler]:
-    """Validate every header, then lay the files' data sections out back to back."""
-    headers = [read_header(p) for p in list_safetensors_files(path)]
+def plan_files(files: ModelFiles) -> tuple[list[TensorMeta], int, Filler]:
+    """Lay the files' data sections, then the blobs, out back to back in one region."""
     metas: list[TensorMeta] = []
-    seen: dict[str, str] = {}
-    bases = []
+    extents: list[tuple[Path, int, int, int]] = []  # path, file offset, length, region offset
     size = 0
-    for h in headers:
-        bases.append(size)
+    for h in files.headers:
         for t in h.tensors:
-            if t.name in seen:
-                raise InvalidArgument(
-                    f"tensor {t.name!r} appears in both {seen[t.name]} and {h.path.name}"
-                )
-            seen[t.name] = h.path.name
             metas.append(TensorMeta(t.name, t.dtype, t.shape, t.end - t.begin, size + t.begin))
+        extents.append((h.path, h.data_offset, h.data_size, size))
         size = align_up(size + h.data_size, TENSOR_ALIGN_BYTES)
+    for blob in files.blobs:
+        length = blob.stat().st_size
+        metas.append(TensorMeta(FILE_PREFIX + blob.name, "U8", (length,), length, size))
+        extents.append((blob, 0, length, size))
+        size = align_up(size + length, TENSOR_ALIGN_BYTES)
 
     def fill(dest: Any, base: int, progress: Progress | None) -> None:
-        for h, file_base in zip(headers, bases):
-            for start in range(0, h.data_size, FILE_READ_STEP_BYTES):
-                length = min(FILE_READ_STEP_BYTES, h.data_size - start)
+        for path, file_offset, length, region_offset in extents:
+            for start in range(0, length, FILE_READ_STEP_BYTES):
+                step = min(FILE_READ_STEP_BYTES, length - start)
                 native.read_file_into(
-                    h.path, h.data_offset + start, length, dest, base + file_base + start
+                    path, file_offset + start, step, dest, base + region_offset + start
                 )
                 if progress:
-                    progress(length)
+                    progress(step)
 
     return metas, size, fill
 

@@ -1,0 +1,107 @@
+"""What `tc put` reads from a path: one safetensors file, or a Hugging Face style model directory
+(safetensors shards, optionally named by `model.safetensors.index.json`, plus small files such as
+config.json and the tokenizer, kept as byte blobs of the artifact).
+
+Everything is validated before any tensor byte is read; a bad directory raises InvalidArgument.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensorcast.errors import InvalidArgument
+from tensorcast.safetensors_file import SafetensorsHeader, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+FILE_PREFIX = "__file__/"  # artifact tensors holding a directory's other files, as U8 bytes
+MAX_BLOB_BYTES = 64 * 1024 * 1024
+# Weights in other formats are not copied along (they would duplicate the safetensors).
+SKIPPED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    headers: tuple[SafetensorsHeader, ...]
+    blobs: tuple[Path, ...]
+
+    def fingerprint_paths(self) -> list[Path]:
+        return [h.path for h in self.headers] + list(self.blobs)
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    if dupes:
+        raise InvalidArgument(f"{INDEX_FILE} names tensors twice: {dupes[:5]}")
+    return dict(pairs)
+
+
+def scan(path: str | os.PathLike[str]) -> ModelFiles:
+    path = Path(path)
+    if path.is_file():
+        return ModelFiles((read_header(path),), ())
+    if not path.is_dir():
+        raise InvalidArgument(f"{path}: no such file or directory")
+    index_path = path / INDEX_FILE
+    if index_path.exists():
+        headers = _indexed(path, index_path)
+    else:
+        files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
+        if not files:
+            raise InvalidArgument(f"{path}: directory holds no .safetensors files")
+        headers = [read_header(f) for f in files]
+    seen: dict[str, str] = {}
+    for h in headers:
+        for t in h.tensors:
+            if t.name in seen:
+                raise InvalidArgument(
+                    f"tensor {t.name!r} appears in both {seen[t.name]} and {h.path.name}"
+                )
+            seen[t.name] = h.path.name
+    blobs = []
+    for p in sorted(path.iterdir()):
+        if not p.is_file() or p.name.startswith(".") or p.suffix == ".safetensors":
+            continue
+        if p.suffix in SKIPPED_SUFFIXES:
+            continue
+        if p.stat().st_size > MAX_BLOB_BYTES:
+            raise InvalidArgument(
+                f"{p}: {p.stat().st_size} bytes is too large to keep alongside the weights "
+                f"(limit {MAX_BLOB_BYTES}); move it out of the directory"
+            )
+        blobs.append(p)
+    return ModelFiles(tuple(headers), tuple(blobs))
+
+
+def _indexed(directory: Path, index_path: Path) -> list[SafetensorsHeader]:
+    try:
+        index = json.loads(index_path.read_text(), object_pairs_hook=_no_duplicates)
+        weight_map = index["weight_map"]
+        assert isinstance(weight_map, dict)
+    except InvalidArgument:
+        raise
+    except (ValueError, KeyError, AssertionError, TypeError):
+        raise InvalidArgument(
+            f"{index_path}: not a valid index (needs a weight_map object)"
+        ) from None
+    by_file: dict[str, set[str]] = {}
+    for tensor, file in weight_map.items():
+        by_file.setdefault(str(file), set()).add(tensor)
+    headers = []
+    for file, tensors in sorted(by_file.items()):
+        shard = directory / file
+        if Path(file).name != file or not shard.is_file():
+            raise InvalidArgument(f"{INDEX_FILE} names {file!r}, which is not in {directory}")
+        header = read_header(shard)
+        actual = {t.name for t in header.tensors}
+        if actual != tensors:
+            missing, extra = sorted(tensors - actual), sorted(actual - tensors)
+            raise InvalidArgument(
+                f"{file} does not match {INDEX_FILE}: index-only {missing[:5]}, "
+                f"file-only {extra[:5]}"
+            )
+        headers.append(header)
+    return headers
