@@ -126,33 +126,43 @@ def _kernel_threads_cpu_ticks() -> int:
     return total
 
 
-def cpu_snapshot() -> tuple[float, float]:
-    """(CPU seconds the host spent in processes other than kernel threads, CPU seconds of this
-    process), both user + system.
+def cpu_snapshot() -> tuple[float, float, float, float]:
+    """CPU seconds so far: (the host in processes other than kernel threads, this process,
+    kernel threads, stolen by the hypervisor), user + system.
 
-    Kernel threads and interrupts are left out: they do a mode's own I/O (mode b). Everything
-    else that ran besides this process is other programs, or the tensorcast worker serving us.
+    Kernel threads and interrupts are left out of the first: they do a mode's own I/O (mode b).
+    Everything else that ran besides this process is other programs, or the tensorcast worker
+    serving us.
     """
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     own = usage.ru_utime + usage.ru_stime
+    nan = float("nan")
     try:
         with open("/proc/stat") as f:
-            user, nice, system = (int(x) for x in f.readline().split()[1:4])
+            fields = [int(x) for x in f.readline().split()[1:9]]
         kthreads = _kernel_threads_cpu_ticks()
     except (OSError, ValueError, IndexError):
-        return float("nan"), own
-    return (user + nice + system - kthreads) / os.sysconf("SC_CLK_TCK"), own
+        return nan, own, nan, nan
+    user, nice, system, steal = fields[0], fields[1], fields[2], fields[7]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system - kthreads) / hz, own, kthreads / hz, steal / hz
 
 
-def other_cpu(before: tuple[float, float], after: tuple[float, float], wall: float) -> dict:
+def other_cpu(before: tuple[float, ...], after: tuple[float, ...], wall: float) -> dict:
     """How much CPU everything else on the host (the tensorcast worker included) took while a
-    child was timing itself, in seconds and as a share of all CPUs: a noise indicator."""
+    child was timing itself, in seconds and as a share of all CPUs: a noise indicator. Also
+    what kernel threads took and what the hypervisor stole meanwhile."""
     other = max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
     if other != other:  # nan: no /proc/stat
         return {}
-    return {"other_cpu_s": other, "other_cpu_share": other / (wall * (os.cpu_count() or 1))}
+    return {
+        "other_cpu_s": other,
+        "other_cpu_share": other / (wall * (os.cpu_count() or 1)),
+        "kthreads_cpu_s": after[2] - before[2],
+        "steal_s": after[3] - before[3],
+    }
 
 
 def rss_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -473,6 +483,8 @@ NUMERIC = (
     "major_faults",
     "other_cpu_s",
     "other_cpu_share",
+    "kthreads_cpu_s",
+    "steal_s",
 )
 
 
@@ -492,6 +504,7 @@ def summarize(runs: list[dict[str, Any]], skipped: str | None) -> dict[str, Any]
             med = statistics.median(values)
             out[key] = round(med, 5) if isinstance(med, float) else int(med)
     out["total_s_all"] = [round(r["total_s"], 4) for r in ok]
+    out["read_s_all"] = [round(r["read_s"], 4) for r in ok]
     shares = [r["other_cpu_share"] for r in ok if "other_cpu_share" in r]
     if shares:
         out["other_cpu_share_all"] = [round(x, 3) for x in shares]
@@ -516,15 +529,16 @@ def _run_noisy(r: dict[str, Any]) -> bool:
 
 
 def wait_quiet(max_s: float, share: float = 0.10, window_s: float = 1.0) -> float:
-    """Wait (at most max_s) for a window in which other programs take under `share` of the
-    CPUs; returns how long it waited."""
+    """Wait (at most max_s) for a window in which other programs and kernel threads take under
+    `share` of the CPUs; returns how long it waited."""
     started = time.perf_counter()
     ncpu = os.cpu_count() or 1
     while True:
         before = cpu_snapshot()
         time.sleep(window_s)
         after = cpu_snapshot()
-        busy = (after[0] - before[0]) - (after[1] - before[1])
+        # Other programs and kernel threads (writeback, reclaim) alike.
+        busy = (after[0] - before[0]) - (after[1] - before[1]) + (after[2] - before[2])
         waited = time.perf_counter() - started
         if not busy > share * window_s * ncpu or waited >= max_s:  # also stops on nan
             return waited
@@ -539,6 +553,10 @@ def _noisy(summary: dict[str, Any]) -> float | bool:
     ]
     worst = max(shares, default=0.0)
     return round(worst, 3) if worst > NOISY_SHARE else False
+
+
+def _fmt_x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v}x"
 
 
 def _fmt_s(v: float | None) -> str:
@@ -613,8 +631,8 @@ def table(report: dict[str, Any]) -> str:
         f"model: {report['model']['size_gib']:.2f} GiB, {report['model']['n_tensors']} tensors "
         f"({report['model']['dtype']}); small: {report['model']['small_size_gib']:.3f} GiB; "
         f"medians of {report['repeats']} runs",
-        f"c vs a: {report['c_vs_a']}x   c vs b: {report['c_vs_b']}x   "
-        f"tensor_dict() full/small: {report['tensor_dict_full_vs_small']}",
+        f"c vs a: {_fmt_x(report['c_vs_a'])}   c vs b: {_fmt_x(report['c_vs_b'])}   "
+        f"tensor_dict() full/small: {_fmt_x(report['tensor_dict_full_vs_small'])}",
         f"goals: c >= 5x faster than b: {g['c_5x_faster_than_b']}; c faster than a: "
         f"{g['c_faster_than_a']}; tensor_dict() <= 50 ms: {g['tensor_dict_le_50ms']}",
     ]
@@ -888,9 +906,9 @@ def main() -> int:
     p.add_argument(
         "--settle",
         type=float,
-        default=10.0,
+        default=30.0,
         help="before each run, wait up to this many seconds for other programs to leave the "
-        "CPUs idle (default 10; 0: don't wait)",
+        "CPUs idle (default 30; 0: don't wait)",
     )
     p.add_argument(
         "--retries",
