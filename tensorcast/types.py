@@ -154,6 +154,7 @@ class WorkerInfo:
     data_addr: str = ""
     active_transfers: int = 0
     transfer_bytes_total: int = 0
+    disk_used_bytes: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -170,4 +171,5 @@ class WorkerInfo:
             "data_addr": self.data_addr,
             "active_transfers": self.active_transfers,
             "transfer_bytes_total": self.transfer_bytes_total,
+            "disk_used_bytes": self.disk_used_bytes,
         }

@@ -173,6 +173,8 @@ def test_last_copies_spill_to_the_disk_tier_and_come_back(fresh_cluster, tmp_pat
             rt.put({"w": second}, "spill-b", worker="disky")  # a (the last copy) moves to disk
             tiers = {r.tier for r in rt.info("spill-a").replicas}
             assert tiers == {"disk"} and len(list(disk.glob("*.tcd"))) == 1
+            disky = next(w for w in rt.workers() if w.name == "disky")
+            assert disky.disk_used_bytes >= 40 * MiB
             # Reading a brings it back into memory, spilling b in turn: nothing is ever lost.
             assert torch.equal(rt.artifact("spill-a").tensor_dict()["w"], first)
             wait_until(lambda: {r.tier for r in rt.info("spill-b").replicas} == {"disk"}, 5)

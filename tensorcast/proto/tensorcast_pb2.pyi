@@ -59,7 +59,7 @@ class Artifact(_message.Message):
     def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., parent: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive", "data_addr", "active_transfers", "transfer_bytes_total")
+    __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive", "data_addr", "active_transfers", "transfer_bytes_total", "disk_used_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Worker(_message.Message):
     DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     addr: str
@@ -90,7 +91,8 @@ class Worker(_message.Message):
     data_addr: str
     active_transfers: int
     transfer_bytes_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., addr: _Optional[str] = ..., host_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., mem_cap_bytes: _Optional[int] = ..., mem_used_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., registered_at: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., data_addr: _Optional[str] = ..., active_transfers: _Optional[int] = ..., transfer_bytes_total: _Optional[int] = ...) -> None: ...
+    disk_used_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., addr: _Optional[str] = ..., host_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., mem_cap_bytes: _Optional[int] = ..., mem_used_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., registered_at: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., data_addr: _Optional[str] = ..., active_transfers: _Optional[int] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -105,7 +107,7 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total")
+    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total", "disk_used_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class HeartbeatRequest(_message.Message):
     ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     DISK_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     mem_used_bytes: int
     content_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -120,7 +123,8 @@ class HeartbeatRequest(_message.Message):
     active_transfers: int
     disk_content_ids: _containers.RepeatedScalarFieldContainer[str]
     transfer_bytes_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ...) -> None: ...
+    disk_used_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("drop_content_ids",)

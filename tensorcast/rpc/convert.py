@@ -80,6 +80,7 @@ def worker_to_pb(w: WorkerInfo) -> pb.Worker:
         data_addr=w.data_addr,
         active_transfers=w.active_transfers,
         transfer_bytes_total=w.transfer_bytes_total,
+        disk_used_bytes=w.disk_used_bytes,
     )
 
 
@@ -100,4 +101,5 @@ def worker_from_pb(m: pb.Worker) -> WorkerInfo:
         data_addr=m.data_addr,
         active_transfers=m.active_transfers,
         transfer_bytes_total=m.transfer_bytes_total,
+        disk_used_bytes=m.disk_used_bytes,
     )

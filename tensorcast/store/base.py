@@ -47,6 +47,7 @@ class MetadataStore(Protocol):
         active_transfers: int = 0,
         disk_content_ids: frozenset[str] = frozenset(),
         transfer_bytes_total: int = 0,
+        disk_used_bytes: int = 0,
     ) -> list[str]:
         """Record liveness and reconcile the worker's inventory; returns contents to drop."""
         ...

@@ -87,6 +87,7 @@ def _v2(db: sqlite_utils.Database) -> None:
 def _v3(db: sqlite_utils.Database) -> None:
     """Workers report their data-plane byte counter, so callers can derive transfer rates."""
     db.table("workers").add_column("transfer_bytes_total", int, not_null_default=0)
+    db.table("workers").add_column("disk_used_bytes", int, not_null_default=0)
 
 
 MIGRATIONS = (_v1, _v2, _v3)

@@ -68,6 +68,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             request.active_transfers,
             frozenset(request.disk_content_ids),
             request.transfer_bytes_total,
+            request.disk_used_bytes,
         )
         return pb.HeartbeatReply(drop_content_ids=drop)
 

@@ -85,6 +85,7 @@ class SqliteStore:
                     "data_addr": reg.data_addr,
                     "active_transfers": 0,
                     "transfer_bytes_total": 0,
+                    "disk_used_bytes": 0,
                 },
                 pk="worker_id",
             )
@@ -104,12 +105,20 @@ class SqliteStore:
         active_transfers: int = 0,
         disk_content_ids: frozenset[str] = frozenset(),
         transfer_bytes_total: int = 0,
+        disk_used_bytes: int = 0,
     ) -> list[str]:
         with self._lock, self.db.conn:
             cursor = self.db.execute(
                 "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ?, active_transfers = ?, "
-                "transfer_bytes_total = ? WHERE worker_id = ?",
-                [now, mem_used_bytes, active_transfers, transfer_bytes_total, worker_id],
+                "transfer_bytes_total = ?, disk_used_bytes = ? WHERE worker_id = ?",
+                [
+                    now,
+                    mem_used_bytes,
+                    active_transfers,
+                    transfer_bytes_total,
+                    disk_used_bytes,
+                    worker_id,
+                ],
             )
             if cursor.rowcount == 0:
                 raise NotFound(f"worker {worker_id} is not registered")
@@ -170,6 +179,7 @@ class SqliteStore:
             data_addr=r["data_addr"],
             active_transfers=r["active_transfers"],
             transfer_bytes_total=r["transfer_bytes_total"],
+            disk_used_bytes=r["disk_used_bytes"],
         )
 
     # -- contents and replicas -----------------------------------------------------------------

@@ -196,7 +196,8 @@ class TopApp(App[None]):
                     [
                         w.name,
                         ",".join(w.roles),
-                        f"{format_size(w.mem_used_bytes)} / {format_size(w.mem_cap_bytes)}",
+                        f"{format_size(w.mem_used_bytes)} / {format_size(w.mem_cap_bytes)}"
+                        + (f" +disk {format_size(w.disk_used_bytes)}" if w.disk_used_bytes else ""),
                         str(replicas.get(w.worker_id, 0)),
                         f"{rate / 1e6:.1f} MB/s",
                         self.rates.sparkline(w.worker_id),

@@ -53,5 +53,8 @@ class DiskTier:
     def delete(self, content_id: str) -> None:
         self._path(content_id).unlink(missing_ok=True)
 
+    def used_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.directory.glob(f"*{SUFFIX}"))
+
     def content_ids(self) -> list[str]:
         return sorted(p.name[: -len(SUFFIX)] for p in self.directory.glob(f"*{SUFFIX}"))

@@ -221,6 +221,7 @@ class WorkerNode:
             active_transfers=self.active_transfers(),
             disk_content_ids=self.disk.content_ids() if self.disk else [],
             transfer_bytes_total=self.transfer_bytes_total(),
+            disk_used_bytes=self.disk.used_bytes() if self.disk else 0,
         )
         try:
             reply = self.store.call("Heartbeat", request)

@@ -59,6 +59,11 @@ def _samples(node: WorkerNode, transfers: Transfers) -> list[Sample]:
     return [
         ("tc_pool_bytes", {"tier": "cpu", "kind": "capacity"}, stats.capacity_bytes),
         ("tc_pool_bytes", {"tier": "cpu", "kind": "used"}, stats.used_bytes),
+        (
+            "tc_pool_bytes",
+            {"tier": "disk", "kind": "used"},
+            node.disk.used_bytes() if node.disk else 0,
+        ),
         ("tc_replicas", {"tier": "cpu"}, stats.num_contents),
         ("tc_replicas", {"tier": "disk"}, len(disk)),
         ("tc_pinned_replicas", {}, len(stats.pinned_content_ids)),
