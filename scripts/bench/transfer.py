@@ -12,31 +12,39 @@ What is measured, per path, for 1 MiB, 16 MiB, 256 MiB and 2 GiB (--quick: no 2 
   tc raw    the native transport alone: a source process holds a pre-touched buffer behind a
             `tensorcast._native.DataServer`; a destination process `pull`s [0, size) into its
             own pre-touched buffer with 1/2/4/8 TCP streams (chunk checksums included).
-            Median of several pulls (more for small sizes), after one unmeasured warm-up.
+            Median of 30 / 15 / 5 / 2 pulls (1 MiB / 16 MiB / 256 MiB / 2 GiB; --reps scales),
+            stream counts interleaved, after unmeasured warm-up rounds (3 / 3 / 1 / 0).
   tc e2e    `rt.artifact(id).prefetch(dest, streams=N)` between two workers of a real cluster
-            (`tc up` on loopback; tests/netns.py's workers tc-a / tc-b on veth), for 256 MiB and
-            2 GiB: GB/s from the reply's `elapsed_s` (measured inside the destination worker:
-            store look-ups, ticket, pull, hash verification, commit) and from the caller's wall.
-            Each pull uses fresh content (a new artifact), deleted afterwards.
+            (`tc up` on loopback; tests/netns.py's workers tc-a / tc-b on veth), for 256 MiB
+            (median of 3) and 2 GiB (1): GB/s from the reply's `elapsed_s` (measured inside the
+            destination worker: store look-ups, ticket, pull, hash verification, commit) and
+            from the caller's wall. Each prefetch moves fresh content (a new artifact, put on the
+            source worker just before, deleted after); one unmeasured "cold" prefetch per size
+            comes first and is reported on its own.
   fan-out   (loopback) one 256 MiB artifact on worker-1 prefetched to three other workers at
-            once (threads), against one prefetch of the same size: ratio of the wall times.
+            once (threads), against one prefetch of the same size to a fourth worker: ratio of
+            the wall times (median of 3), TensorCast's default stream count.
   iperf3    `iperf3 -s -1` in the destination, `iperf3 -c DEST -l 1M -t 3 -P N --json` in the
             source (data flows source -> destination like the pulls), N = 1/2/4/8; best of them.
   mooncake  Mooncake transfer engine over TCP (`mooncake.engine.TransferEngine`, handshake
-            P2PHANDSHAKE): destination `transfer_sync_read`s the source's registered buffer.
-  redis     redis-server on the source (no persistence), redis-py + hiredis client on the
-            destination: SET then GET of the same bytes; GET (source -> destination) is compared.
-            Redis refuses values over 512 MB: 2 GiB is stored as 8 keys of 256 MiB, fetched in turn.
+            P2PHANDSHAKE, its default settings): the destination `transfer_sync_read`s the
+            source's registered, pre-touched buffer into its own; median, after a warm-up.
+  redis     redis-server on the source (`--save "" --appendonly no`), redis-py + hiredis on the
+            destination: one SET, then GETs of the same bytes; GET (source -> destination) is the
+            compared figure. Redis refuses values over 512 MB: 2 GiB is stored as 8 keys of
+            256 MiB, fetched one after the other (reported as such).
 
-GB/s is 1e9 bytes/s. Baselines whose package or binary is missing are reported as skipped with the
+The "best TensorCast figure" of a size is the highest median among its raw and e2e rows. GB/s is
+1e9 bytes/s. Baselines whose package or binary is missing are reported as skipped with the
 reason. Extra packages (not TensorCast dependencies):
 
     apt-get install iperf3 redis-server libibverbs1   # libibverbs1: Mooncake's wheel links it
     pip install redis hiredis mooncake-transfer-engine-non-cuda
 
 Other programs on the host skew the figures: a sampler thread reports how much CPU processes this
-script did not start took during each phase (`other_cpu_share`), and before each phase the script
-waits (up to --settle s) for the CPUs to go quiet.
+script did not start took during each phase (`other_cpu_share`); before each phase the script
+waits (up to --settle s) for the CPUs to go quiet, and a phase during which others took over 25%
+of the CPUs is run again (--retries, while the --budget-s allows), keeping the quietest run.
 
 Prints one JSON line with every figure, then a human-readable table.
 
@@ -166,9 +174,9 @@ def child_tc_pull(a: dict[str, Any]) -> None:
         reps = reps_for(size, a["reps_scale"])
         times: dict[int, list[float]] = {s: [] for s in a["streams"]}
         native_ms: dict[int, list[float]] = {s: [] for s in a["streams"]}
-        warm = size <= 256 * MIB
+        warm = 0 if size > 256 * MIB else 3 if size <= 16 * MIB else 1  # unmeasured rounds
         try:
-            for rep in range(reps + (1 if warm else 0)):
+            for rep in range(reps + warm):
                 for s in a["streams"]:  # interleaved: drift hits every stream count alike
                     t0 = time.perf_counter()
                     stats = _native.pull(
@@ -184,7 +192,7 @@ def child_tc_pull(a: dict[str, Any]) -> None:
                         timeout_ms=120_000,
                     )
                     dt = time.perf_counter() - t0
-                    if warm and rep == 0:
+                    if rep < warm:
                         continue
                     times[s].append(dt)
                     native_ms[s].append(float(dict(stats).get("elapsed_ms", 0)))
@@ -515,7 +523,9 @@ class CpuMonitor:
         self.interval_s = interval_s
         self.ours: set[int] = {os.getpid()}  # roots: descendants count as ours too
         self.others_ticks = 0
+        self.kthread_ticks = 0
         self._last: dict[int, int] = {}
+        self._klast: dict[int, int] = {}
         self._lock = threading.Lock()
         self._sample_lock = threading.Lock()
         self._stop = threading.Event()
@@ -530,10 +540,12 @@ class CpuMonitor:
             self.ours.update(pids)
 
     @staticmethod
-    def _host_busy() -> int:
+    def _host_busy() -> tuple[int, int]:
+        """(busy ticks: all but idle and iowait, steal ticks: taken by the hypervisor)."""
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+        steal = fields[7] if len(fields) > 7 else 0
+        return sum(fields[:8]) - fields[3] - fields[4], steal
 
     def _sample(self) -> None:
         with self._sample_lock:
@@ -541,6 +553,7 @@ class CpuMonitor:
 
     def _sample_locked(self) -> None:
         procs: dict[int, tuple[int, int]] = {}  # pid -> (ppid, ticks)
+        kthreads: dict[int, int] = {}
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
@@ -549,9 +562,13 @@ class CpuMonitor:
                     fields = f.read().rpartition(")")[2].split()
             except OSError:
                 continue
-            if int(fields[6]) & 0x00200000:  # PF_KTHREAD
+            ticks = int(fields[11]) + int(fields[12])
+            if int(fields[6]) & 0x00200000:  # PF_KTHREAD: softirqs, reclaim, kworkers
+                kthreads[int(entry.name)] = ticks
                 continue
-            procs[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+            procs[int(entry.name)] = (int(fields[1]), ticks)
+        kdelta = sum(max(0, t - self._klast.get(pid, t)) for pid, t in kthreads.items())
+        self._klast = kthreads
         with self._lock:
             roots = set(self.ours)
         ours: dict[int, bool] = {}
@@ -580,25 +597,29 @@ class CpuMonitor:
         self._last = {pid: t for pid, (_, t) in procs.items()}
         with self._lock:
             self.others_ticks += delta
+            self.kthread_ticks += kdelta
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             with contextlib.suppress(Exception):
                 self._sample()
 
-    def mark(self) -> tuple[float, int, int]:
+    def mark(self) -> tuple[float, int, tuple[int, int], int]:
         self._sample_now()  # bring the counter up to now, so a phase counts only its own time
         with self._lock:
-            return time.monotonic(), self.others_ticks, self._host_busy()
+            return time.monotonic(), self.others_ticks, self._host_busy(), self.kthread_ticks
 
-    def since(self, mark: tuple[float, int, int]) -> dict[str, float]:
+    def since(self, mark: tuple[float, int, tuple[int, int], int]) -> dict[str, float]:
         now = self.mark()
         wall = max(1e-9, now[0] - mark[0])
-        cap = wall * self._ncpu
+        cap = wall * self._ncpu * self._hz
         return {
             "wall_s": round(wall, 3),
-            "other_cpu_share": round((now[1] - mark[1]) / self._hz / cap, 3),
-            "host_busy_share": round((now[2] - mark[2]) / self._hz / cap, 3),
+            "other_cpu_share": round((now[1] - mark[1]) / cap, 3),
+            "host_busy_share": round((now[2][0] - mark[2][0]) / cap, 3),
+            "steal_share": round((now[2][1] - mark[2][1]) / cap, 3),
+            # kernel threads: network softirqs (ours too), reclaim, compaction, kworkers
+            "kthread_share": round((now[3] - mark[3]) / cap, 3),
         }
 
     def _sample_now(self) -> None:
@@ -606,13 +627,14 @@ class CpuMonitor:
             self._sample()
 
     def settle(self, max_wait_s: float) -> float:
-        """Wait (up to max_wait_s) for a 0.5 s window in which others take < NOISY_SHARE."""
+        """Wait (up to max_wait_s) for a 1 s window in which others take under half of
+        NOISY_SHARE of the CPUs; returns the last window's share."""
         started = time.monotonic()
         while True:
             m = self.mark()
-            time.sleep(0.5)
+            time.sleep(1.0)
             share = self.since(m)["other_cpu_share"]
-            if share < NOISY_SHARE or time.monotonic() - started >= max_wait_s:
+            if share < NOISY_SHARE / 2 or time.monotonic() - started >= max_wait_s:
                 return share
 
     def stop(self) -> None:
@@ -1161,6 +1183,17 @@ def meta_info() -> dict[str, Any]:
     return info
 
 
+def netns_identity() -> tuple[int, ...] | None:
+    """Inode numbers of the namespaces tc-a, tc-b and the bridge's ifindex: they change when
+    another process tears the test network down or sets it up again."""
+    try:
+        inodes = [os.stat(f"/run/netns/{ns}").st_ino for ns in ("tc-a", "tc-b")]
+        ifindex = int(Path("/sys/class/net/tcbr0/ifindex").read_text())
+    except (OSError, ValueError):
+        return None
+    return (*inodes, ifindex)
+
+
 def netns_in_use() -> bool:
     proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     names = {ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip()}
@@ -1173,7 +1206,9 @@ def run_path(
     sizes: list[int],
     monitor: CpuMonitor,
     cluster: Any,
+    guard: Any = None,
 ) -> dict[str, Any]:
+    """All measurements of one path. `guard()` says why the path became unusable (else None)."""
     res: dict[str, Any] = {"src_host": path.src_host, "dst_host": path.dst_host, "noise": {}}
     streams = list(STREAMS)
 
@@ -1182,13 +1217,25 @@ def run_path(
         CPUs and the time budget allows; keeps the quietest run."""
         best: tuple[Any, dict] | None = None
         for attempt in range(1 + args.retries):
-            settle = monitor.settle(args.settle)
+            spent = time.monotonic() - args.started
+            settle = monitor.settle(args.settle if spent < args.budget_s else 0.0)
+            broken = guard() if guard else None
+            if broken:
+                res.setdefault("errors", []).append(f"{name}: {broken}")
+                return {"error": broken}
             mark = monitor.mark()
             print(f"# {path.name}: {name} ...", file=sys.stderr, flush=True)
-            out = fn()
+            try:
+                out = fn()
+            except Exception as e:
+                out = {"error": f"{type(e).__name__}: {e}"}
+            broken = guard() if guard else None
+            if broken:  # the run straddled the change: its figures mean nothing
+                out = {"error": broken}
             noise = {**monitor.since(mark), "settle_other_share": settle, "attempts": attempt + 1}
             print(
-                f"#   {noise['wall_s']:.1f}s, others took {noise['other_cpu_share']:.0%} of CPUs",
+                f"#   {noise['wall_s']:.1f}s, others took {noise['other_cpu_share']:.0%} of CPUs"
+                f" (kernel threads {noise['kthread_share']:.0%}, steal {noise['steal_share']:.0%})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -1234,12 +1281,6 @@ def run_loopback(
     cluster = None
     if "e2e" not in args.skip:
         fan = "fanout" not in args.skip
-        print("# loopback: tc up ...", file=sys.stderr, flush=True)
-        up = tc_cli(
-            "up", "--workers", str(5 if fan else 2), "--mem", args.mem, "--state-dir", str(state)
-        )
-        cleanup.append(lambda: tc_cli("down", "--state-dir", str(state)))
-        monitor.add_roots([p["pid"] for p in up.get("processes", [])])
         e2e_args = {
             "state_dir": str(state),
             "src": "worker-1",
@@ -1253,8 +1294,24 @@ def run_loopback(
             "fanout_streams": args.fanout_streams,
             "fanout_reps": args.fanout_reps,
         }
+        started: list[bool] = []
 
         def cluster(e2e_sizes: list[int]) -> list[str]:
+            if not started:  # only now: idle workers must not run during the other phases
+                print("# loopback: tc up ...", file=sys.stderr, flush=True)
+                cleanup.append(lambda: tc_cli("down", "--state-dir", str(state)))
+                up = tc_cli(
+                    "up",
+                    "--workers",
+                    str(5 if fan else 2),
+                    "--mem",
+                    args.mem,
+                    "--state-dir",
+                    str(state),
+                )
+                monitor.add_roots([p["pid"] for p in up.get("processes", [])])
+                started.append(True)
+                time.sleep(2.0)  # past the workers' first heartbeats
             return child_cmd(path, "src", "e2e", {**e2e_args, "sizes": e2e_sizes})
 
     return run_path(path, args, sizes, monitor, cluster)
@@ -1278,28 +1335,48 @@ def run_veth(
         return {"skipped": reason}
     path = Path_("veth", netns.HOSTS["tc-a"], netns.HOSTS["tc-b"], "tc-a", "tc-b")
     netns.setup()
-    cleanup.append(netns.teardown)
+    ours = netns_identity()
+
+    def guard() -> str | None:
+        if netns_identity() != ours:
+            return (
+                "network namespaces tc-a / tc-b were torn down or recreated by another process "
+                "during the run (a concurrent tests/test_hosts.py?)"
+            )
+        return None
+
+    def teardown() -> None:
+        if netns_identity() == ours:  # never tear down someone else's namespaces
+            netns.teardown()
+
+    cleanup.append(teardown)
     cluster = None
     if "e2e" not in args.skip:
-        state.mkdir(parents=True)
-        nc = netns.NetnsCluster(state, token=TOKEN)
-        cleanup.append(nc.stop)
-        print("# veth: starting a store and workers tc-a, tc-b ...", file=sys.stderr, flush=True)
-        nc.start(args.mem)
-        e2e_args = {
-            "addr": nc.store_addr,
-            "token": nc.token,
-            "src": "tc-a",
-            "dst": "tc-b",
-            "streams": list(STREAMS),
-            "reps": args.e2e_reps,
-            "reps_big": args.e2e_reps_big,
-        }
+        started: list[Any] = []
 
         def cluster(e2e_sizes: list[int]) -> list[str]:
-            return child_cmd(path, "src", "e2e", {**e2e_args, "sizes": e2e_sizes})
+            if not started:  # only now: idle workers must not run during the other phases
+                state.mkdir(parents=True, exist_ok=True)
+                nc = netns.NetnsCluster(state, token=TOKEN)
+                cleanup.append(nc.stop)
+                print("# veth: starting a store and workers tc-a, tc-b ...", file=sys.stderr)
+                nc.start(args.mem)
+                started.append(nc)
+                time.sleep(2.0)  # past the workers' first heartbeats
+            nc = started[0]
+            e2e_args = {
+                "addr": nc.store_addr,
+                "token": nc.token,
+                "src": "tc-a",
+                "dst": "tc-b",
+                "sizes": e2e_sizes,
+                "streams": list(STREAMS),
+                "reps": args.e2e_reps,
+                "reps_big": args.e2e_reps_big,
+            }
+            return child_cmd(path, "src", "e2e", e2e_args)
 
-    return run_path(path, args, sizes, monitor, cluster)
+    return run_path(path, args, sizes, monitor, cluster, guard)
 
 
 def main() -> int:
@@ -1318,11 +1395,11 @@ def main() -> int:
     ap.add_argument("--fanout-reps", type=int, default=3)
     ap.add_argument("--fanout-streams", type=int, default=0, help="0: TensorCast's default")
     ap.add_argument("--iperf-seconds", type=float, default=3.0)
-    ap.add_argument("--settle", type=float, default=3.0, help="max s to wait for quiet CPUs")
+    ap.add_argument("--settle", type=float, default=5.0, help="max s to wait for quiet CPUs")
     ap.add_argument("--mem", default="3GiB", help="pool size per worker")
     ap.add_argument("--retries", type=int, default=1, help="reruns of a noisy phase")
     ap.add_argument(
-        "--budget-s", type=float, default=420.0, help="no noisy-phase rerun past this many s"
+        "--budget-s", type=float, default=360.0, help="no noisy-phase rerun past this many s"
     )
     ap.add_argument("--json-out", type=Path, help="also write the JSON document here")
     args = ap.parse_args()
@@ -1380,6 +1457,8 @@ def main() -> int:
         shutil.rmtree(state_root, ignore_errors=True)
         monitor.stop()
 
+    for phase in sorted(args.skip):
+        skipped[phase] = "--skip"
     if "fanout" in args.skip or "e2e" in args.skip:
         skipped["fanout"] = "--skip"
     elif "loopback" not in wanted:
