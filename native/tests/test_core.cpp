@@ -1,4 +1,5 @@
 // Plain C++ checks of the core (no Python); exits non-zero on any failure.
+#include "check.h"
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,16 +15,6 @@
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,      \
-                         __LINE__, #cond);                                   \
-            ++failures;                                                      \
-        }                                                                    \
-    } while (0)
 
 template <typename Error, typename Fn>
 bool throws(Fn&& fn) {

@@ -1,6 +1,7 @@
 // Frame header codec: round trips, rejection of malformed headers, and a
 // deterministic 100k-case random/mutation loop checked against an independent
 // reading of the spec in frame.h.
+#include "check.h"
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -12,16 +13,6 @@ namespace {
 
 namespace f = tc::frame;
 
-int failures = 0;
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,      \
-                         __LINE__, #cond);                                   \
-            ++failures;                                                      \
-        }                                                                    \
-    } while (0)
 
 using Raw = std::vector<uint8_t>;
 

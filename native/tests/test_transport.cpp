@@ -1,6 +1,7 @@
 // Loopback checks of DataServer + pull: correctness over 1..8 streams, fault
 // injection (corrupt checksums, dying connections), auth/ticket rejection,
 // timeout, cancellation, and the server's handling of malformed frames.
+#include "check.h"
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -24,16 +25,6 @@ namespace {
 namespace f = tc::frame;
 using Clock = std::chrono::steady_clock;
 
-int failures = 0;
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,      \
-                         __LINE__, #cond);                                   \
-            ++failures;                                                      \
-        }                                                                    \
-    } while (0)
 
 const std::string kToken = "s3cret-token";
 constexpr uint64_t kPoolBytes = 64ull << 20;
