@@ -1,0 +1,1 @@
+"""Integrations with engines and libraries (imported on demand, never by the core)."""
