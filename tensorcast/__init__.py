@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from tensorcast.sdk.artifact import Artifact
     from tensorcast.sdk.runtime import Runtime, connect
+    from tensorcast.sdk.weight_sync import WeightPublisher, WeightSubscriber
 
 __all__ = [
     "AlreadyExists",
@@ -44,6 +45,8 @@ __all__ = [
     "TensorcastError",
     "Unauthenticated",
     "Unavailable",
+    "WeightPublisher",
+    "WeightSubscriber",
     "connect",
 ]
 
@@ -53,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from tensorcast.sdk import runtime
 
         return getattr(runtime, name)
+    if name in ("WeightPublisher", "WeightSubscriber"):
+        from tensorcast.sdk import weight_sync
+
+        return getattr(weight_sync, name)
     if name == "Artifact":
         from tensorcast.sdk.artifact import Artifact
 

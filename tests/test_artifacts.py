@@ -187,3 +187,15 @@ def test_caller_on_another_host_moves_bytes_over_grpc(cluster):
         got = art.tensor_dict()
         assert torch.equal(got["w"], w) and torch.equal(got["i"], torch.arange(5))
         assert not rt._local  # no shared-memory connection was used
+
+
+def test_put_right_after_delete_of_the_same_content(rt):
+    """Regression: the store forgets deleted content at once while the worker still holds it
+    until its next heartbeat; a put of the same bytes in between must register it again."""
+    data = {"w": torch.randn(300, 300)}
+    for i in range(5):
+        rt.put(data, f"again-{i}")
+        rt.delete(f"again-{i}")
+        art = rt.put(data, f"again-{i}-b")
+        assert torch.equal(art.tensor_dict()["w"], data["w"])
+        rt.delete(f"again-{i}-b")

@@ -20,6 +20,7 @@ from tensorcast.cli import (
     top,
     unpin,
     up,
+    weights,
     worker,
 )
 from tensorcast.errors import TensorcastError
@@ -36,6 +37,7 @@ for module in (up, down, status, top, put, get, ls, show, rm, prefetch, pin, unp
     app.command(name=module.NAME, help=module.__doc__)(module.command)
 app.add_typer(store.app, name="store")
 app.add_typer(worker.app, name="worker")
+app.add_typer(weights.app, name="weights")
 
 
 def run() -> None:

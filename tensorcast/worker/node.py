@@ -191,21 +191,23 @@ class WorkerNode:
                     tensors_from_pb(found.tensors),
                     True,
                 )
-        if not result.deduplicated:
-            try:
-                self.store.call(
-                    "AddReplica",
-                    pb.AddReplicaRequest(
-                        worker_id=self.worker_id,
-                        content_id=content.content_id,
-                        size_bytes=content.size_bytes,
-                        tensors=[tensor_to_pb(t) for t in content.tensors],
-                    ),
-                )
-            except TensorcastError:
+        # Register even a local duplicate: the store may have forgotten it (deleted, not yet
+        # dropped here), and AddReplica is idempotent.
+        try:
+            self.store.call(
+                "AddReplica",
+                pb.AddReplicaRequest(
+                    worker_id=self.worker_id,
+                    content_id=content.content_id,
+                    size_bytes=content.size_bytes,
+                    tensors=[tensor_to_pb(t) for t in content.tensors],
+                ),
+            )
+        except TensorcastError:
+            if not result.deduplicated:  # ours alone: nothing else refers to it yet
                 self.pool.drop(content.content_id)
-                raise
-            self.pool.mark_registered(content.content_id)
+            raise
+        self.pool.mark_registered(content.content_id)
         return Committed(
             content.content_id, content.size_bytes, content.tensors, result.deduplicated
         )

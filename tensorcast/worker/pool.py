@@ -141,6 +141,8 @@ class Pool:
             existing = self._contents.get(cid)
             if existing is not None:
                 self._alloc.free(res.offset)
+                # Committed again: a drop decided before now (the store forgot it) must not win.
+                existing.committed_at = time.time()
                 return CommitResult(existing, True)
             now = time.time()
             content = Content(cid, res.offset, res.size_bytes, metas, now, last_used=now)
