@@ -62,6 +62,23 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         out = tmp_path / "out.safetensors"
         _check("get", c.tc("get", "shape", "-o", str(out), "--json", check=True).stdout)
         _check("rm", c.tc("rm", "shape", "--json", check=True).stdout)
+        weights = ("--model", "shape-model", "--json")
+        _check(
+            "weights publish",
+            c.tc(
+                "weights",
+                "publish",
+                str(tmp_path / "m.safetensors"),
+                "--version",
+                "v1",
+                *weights,
+                check=True,
+            ).stdout,
+        )
+        _check("weights ls", c.tc("weights", "ls", *weights, check=True).stdout)
+        _check(
+            "weights sync", c.tc("weights", "sync", "--to", "worker-2", *weights, check=True).stdout
+        )
         _check("worker stop", c.tc("worker", "stop", "worker-2", "--json", check=True).stdout)
     finally:
         _check("down", c.tc("down", "--json", check=True).stdout)
@@ -78,6 +95,9 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         "unpin",
         "worker stop",
         "down",
+        "weights publish",
+        "weights ls",
+        "weights sync",
     }
 
 
