@@ -40,6 +40,26 @@ class Cluster:
     def pid(self, name: str) -> int:
         return next(p.pid for p in self.record.processes if p.name == name)
 
+    def start_store_again(self) -> subprocess.Popen:
+        """A new store process on the same database and address (after the old one died)."""
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorcast.cli.main",
+                "store",
+                "start",
+                "--db",
+                str(self.state_dir / "store.db"),
+                "--listen",
+                self.record.store_addr,
+                "--state-dir",
+                str(self.state_dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
     def tc(
         self, *args: str, check: bool = False, env: dict | None = None
     ) -> subprocess.CompletedProcess:

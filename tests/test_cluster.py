@@ -116,29 +116,9 @@ def test_store_killed_and_restarted_loses_nothing(fresh_cluster):
         rt.register({"x": torch.ones(3)}, "durable-lease", ttl_s=600)
         before = [(a.art_id, a.content_id, a.owner) for a in rt.list_artifacts()]
     store_pid = c.pid("store")
-    addr = c.record.store_addr
     os.kill(store_pid, signal.SIGKILL)
-    wait_until(
-        lambda: _gone(store_pid),
-        5,
-    )
-    restarted = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tensorcast.cli.main",
-            "store",
-            "start",
-            "--db",
-            str(c.state_dir / "store.db"),
-            "--listen",
-            addr,
-            "--state-dir",
-            str(c.state_dir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    wait_until(lambda: _gone(store_pid), 5)
+    restarted = c.start_store_again()
     try:
 
         def reconnect():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -71,23 +69,7 @@ def test_top_survives_the_store_restarting(fresh_cluster):
             os.kill(c.pid("store"), signal.SIGKILL)
             await _until(pilot, lambda: banner.has_class("visible"))
             assert "unreachable" in str(banner.render())
-            restarted = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tensorcast.cli.main",
-                    "store",
-                    "start",
-                    "--db",
-                    str(c.state_dir / "store.db"),
-                    "--listen",
-                    c.record.store_addr,
-                    "--state-dir",
-                    str(c.state_dir),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            restarted = c.start_store_again()
             try:
                 await _until(pilot, lambda: not banner.has_class("visible"), 30)
                 assert _rows(app, "workers")[0][0] == "worker-1"
