@@ -58,26 +58,36 @@ print(json.dumps({"sum": float(t.double().sum()), "zero_copy": inside}))
         assert torch.equal(rt.artifact("xhost").tensor_dict()["w"], data)
 
 
+def _prefetch_while(art, timeout_s: float, fault_after_s: float, fault, join_s: float):
+    """Prefetch to tc-b from a shaped tc-a link, inject `fault` mid-way; returns (error, elapsed)."""
+    errors: list[Exception] = []
+
+    def pull():
+        try:
+            art.prefetch("tc-b", timeout_s=timeout_s)
+        except tc.TensorcastError as e:
+            errors.append(e)
+
+    limit_rate("tc-a", "200mbit")  # ~4 s for 96 MiB: time to break things mid-way
+    thread = threading.Thread(target=pull)
+    started = time.monotonic()
+    thread.start()
+    time.sleep(fault_after_s)
+    fault()
+    thread.join(join_s)
+    elapsed = time.monotonic() - started
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], (tc.Unavailable, tc.DeadlineExceeded))
+    return errors[0], elapsed
+
+
 def test_source_killed_mid_transfer_leaves_no_partial_replica(hosts):
     with tc.connect(hosts.store_addr, hosts.token) as rt:
         art = rt.put({"w": torch.randn(96 * MiB // 4)}, "victim", worker="tc-a")
-        limit_rate("tc-a", "200mbit")  # ~4 s for 96 MiB: time to kill the source mid-way
-        errors: list[Exception] = []
-
-        def pull():
-            try:
-                art.prefetch("tc-b", timeout_s=20)
-            except tc.TensorcastError as e:
-                errors.append(e)
-
-        thread = threading.Thread(target=pull)
-        started = time.monotonic()
-        thread.start()
-        time.sleep(1.0)
-        os.kill(hosts.procs["tc-a"].pid, signal.SIGKILL)
-        thread.join(30)
-        assert not thread.is_alive() and time.monotonic() - started < 20
-        assert len(errors) == 1 and isinstance(errors[0], (tc.Unavailable, tc.DeadlineExceeded))
+        _, elapsed = _prefetch_while(
+            art, 20, 1.0, lambda: os.kill(hosts.procs["tc-a"].pid, signal.SIGKILL), 30
+        )
+        assert elapsed < 20
         b = next(w for w in rt.workers() if w.name == "tc-b")
         from tensorcast.proto import tensorcast_pb2 as pb
 
@@ -90,25 +100,10 @@ def test_source_killed_mid_transfer_leaves_no_partial_replica(hosts):
 def test_link_cut_respects_the_deadline(hosts):
     with tc.connect(hosts.store_addr, hosts.token) as rt:
         art = rt.put({"w": torch.randn(96 * MiB // 4)}, "cut", worker="tc-a")
-        limit_rate("tc-a", "200mbit")
-        errors: list[Exception] = []
-
-        def pull():
-            try:
-                art.prefetch("tc-b", timeout_s=3.0)
-            except tc.TensorcastError as e:
-                errors.append(e)
-
-        thread = threading.Thread(target=pull)
-        started = time.monotonic()
-        thread.start()
-        time.sleep(0.5)
-        set_link("tc-a", up=False)
-        thread.join(15)
-        elapsed = time.monotonic() - started
-        set_link("tc-a", up=True)
-        assert not thread.is_alive()
-        assert len(errors) == 1 and isinstance(errors[0], (tc.DeadlineExceeded, tc.Unavailable))
+        try:
+            _, elapsed = _prefetch_while(art, 3.0, 0.5, lambda: set_link("tc-a", up=False), 15)
+        finally:
+            set_link("tc-a", up=True)
         assert elapsed < 3.0 + 2.0, elapsed
         # tc-a missed heartbeats while cut off (dead, replicas dropped); once back it
         # re-reports its inventory. tc-b never lists a partial replica.

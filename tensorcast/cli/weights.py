@@ -99,18 +99,10 @@ def sync(
     as_json: JsonOpt = False,
 ) -> None:
     """Bring a version of MODEL to a worker: only tensors it does not hold yet are moved."""
-    from tensorcast.sdk.weight_sync import list_versions, read_version
+    from tensorcast.sdk.weight_sync import latest_version, read_version
 
     with connect(state_dir, addr, token) as rt:
-        if version is None:
-            versions = list_versions(rt, model)
-            if not versions:
-                from tensorcast.errors import NotFound
-
-                raise NotFound(f"no published version of {model!r}")
-            info = versions[-1]
-        else:
-            info = read_version(rt, model, version)
+        info = latest_version(rt, model) if version is None else read_version(rt, model, version)
         replies = rt.prefetch_many([e["art_id"] for e in info.tensors.values()], to)
     moved = sum(r.bytes_moved for r in replies)
     fresh = sum(not r.already_present for r in replies)

@@ -76,8 +76,9 @@ class Artifact:
 
     def _all_tensors(self, device: str, timeout_s: float) -> dict[str, torch.Tensor]:
         info = self.refresh().info
-        sources = self.runtime.read_sources(info)
-        local = [w for w in self.runtime.workers() if w.alive and self.runtime.is_local(w)]
+        workers = self.runtime.workers()  # one listing serves both decisions below
+        sources = self.runtime.read_sources(info, workers)
+        local = [w for w in workers if w.alive and self.runtime.is_local(w)]
         if local and not self.runtime.is_local(sources[0]):
             self.prefetch(local[0], timeout_s=timeout_s)
             sources = [local[0]]

@@ -269,9 +269,12 @@ class Runtime:
             raise Unavailable("no live worker in the cluster: start one (tc worker start / tc up)")
         return targets
 
-    def read_sources(self, info: ArtifactInfo) -> list[WorkerInfo]:
+    def read_sources(
+        self, info: ArtifactInfo, workers: list[WorkerInfo] | None = None
+    ) -> list[WorkerInfo]:
         """Live workers holding the artifact: same host first, then least loaded."""
-        sources = order_sources(info.replicas, self.workers(), self.host_id)
+        workers = self.workers() if workers is None else workers
+        sources = order_sources(info.replicas, workers, self.host_id)
         if not sources:
             raise Unavailable(
                 f"artifact {info.art_id!r} has no live replica (its workers are down)"

@@ -49,15 +49,28 @@ class VersionInfo:
         return sum(t["size_bytes"] for t in self.tensors.values())
 
 
+def _manifests(rt: Runtime, model: str) -> list[str]:
+    """Version names of `model`, oldest first (by when the store recorded each manifest)."""
+    _check_name("model", model)
+    manifests = [
+        a
+        for a in rt.list_artifacts(f"{PREFIX}{model}@")
+        if "/" not in a.art_id[len(PREFIX) :]  # not a tensor of a version
+    ]
+    return [a.art_id.rpartition("@")[2] for a in sorted(manifests, key=lambda a: a.created_at)]
+
+
 def list_versions(rt: Runtime, model: str) -> list[VersionInfo]:
     """Published versions of `model`, oldest first."""
-    _check_name("model", model)
-    versions = []
-    for info in rt.list_artifacts(f"{PREFIX}{model}@"):
-        if "/" in info.art_id[len(PREFIX) :]:
-            continue  # a tensor of a version, not a manifest
-        versions.append(read_version(rt, model, info.art_id.rpartition("@")[2]))
-    return sorted(versions, key=lambda v: v.published_at)
+    return [read_version(rt, model, v) for v in _manifests(rt, model)]
+
+
+def latest_version(rt: Runtime, model: str) -> VersionInfo:
+    """The newest published version (reads only its manifest)."""
+    names = _manifests(rt, model)
+    if not names:
+        raise NotFound(f"no published version of {model!r}")
+    return read_version(rt, model, names[-1])
 
 
 def read_version(rt: Runtime, model: str, version: str) -> VersionInfo:
@@ -145,10 +158,7 @@ class WeightSubscriber:
         import torch
 
         if version is None:
-            versions = list_versions(self.rt, self.model)
-            if not versions:
-                raise NotFound(f"no published version of {self.model!r}")
-            info = versions[-1]
+            info = latest_version(self.rt, self.model)
         else:
             info = read_version(self.rt, self.model, version)
         missing = sorted(set(self.target) - set(info.tensors))
