@@ -59,7 +59,7 @@ print(json.dumps({"sum": float(t.double().sum()), "zero_copy": inside}))
 
 
 def _prefetch_while(art, timeout_s: float, fault_after_s: float, fault, join_s: float):
-    """Prefetch to tc-b from a shaped tc-a link, inject `fault` mid-way; returns (error, elapsed)."""
+    """Prefetch to tc-b over a shaped tc-a link, `fault` mid-way; returns (error, elapsed)."""
     errors: list[Exception] = []
 
     def pull():
