@@ -29,17 +29,20 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from tensorcast.sdk.artifact import Artifact
+    from tensorcast.sdk.plan import CallContext, Plan
     from tensorcast.sdk.runtime import Runtime, connect
     from tensorcast.sdk.weight_sync import WeightPublisher, WeightSubscriber
 
 __all__ = [
     "AlreadyExists",
     "Artifact",
+    "CallContext",
     "DeadlineExceeded",
     "FencingError",
     "IntegrityError",
     "InvalidArgument",
     "NotFound",
+    "Plan",
     "ResourceExhausted",
     "Runtime",
     "TensorcastError",
@@ -60,6 +63,10 @@ def __getattr__(name: str) -> Any:
         from tensorcast.sdk import weight_sync
 
         return getattr(weight_sync, name)
+    if name in ("CallContext", "Plan"):
+        from tensorcast.sdk import plan
+
+        return getattr(plan, name)
     if name == "Artifact":
         from tensorcast.sdk.artifact import Artifact
 

@@ -155,6 +155,7 @@ class WorkerInfo:
     active_transfers: int = 0
     transfer_bytes_total: int = 0
     disk_used_bytes: int = 0
+    num_replicas: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -172,4 +173,100 @@ class WorkerInfo:
             "active_transfers": self.active_transfers,
             "transfer_bytes_total": self.transfer_bytes_total,
             "disk_used_bytes": self.disk_used_bytes,
+            "num_replicas": self.num_replicas,
+        }
+
+
+@dataclass(frozen=True)
+class ShardLease:
+    """Who homes a KV shard. `token` grows on every change of holder (fencing)."""
+
+    shard: int
+    holder_worker_id: str
+    token: int
+    expires_in_s: float
+    holder_addr: str = ""
+    holder_local_socket: str = ""
+    holder_host_id: str = ""
+
+    @property
+    def held(self) -> bool:
+        return bool(self.holder_worker_id) and self.expires_in_s > 0
+
+    def to_json(self) -> dict:
+        return {
+            "shard": self.shard,
+            "holder_worker_id": self.holder_worker_id or None,
+            "token": self.token,
+            "expires_in_s": round(self.expires_in_s, 3),
+            "held": self.held,
+        }
+
+
+@dataclass(frozen=True)
+class ShardTable:
+    num_shards: int
+    lease_ttl_s: float
+    leases: tuple[ShardLease, ...]
+    live_homes: tuple[str, ...] = ()
+
+    def lease(self, shard: int) -> ShardLease:
+        return self.leases[shard]
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """An engine instance attached to a worker, with the load it last reported."""
+
+    instance_id: str
+    worker_id: str
+    engine: str
+    endpoint: str = ""
+    waiting: int = 0
+    running: int = 0
+    cached_tokens: int = 0
+    requests: tuple[str, ...] = ()
+    heartbeat_age_s: float = 0.0
+    alive: bool = True
+    worker_name: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "instance_id": self.instance_id,
+            "worker_id": self.worker_id,
+            "worker_name": self.worker_name,
+            "engine": self.engine,
+            "endpoint": self.endpoint,
+            "waiting": self.waiting,
+            "running": self.running,
+            "cached_tokens": self.cached_tokens,
+            "requests": list(self.requests),
+            "heartbeat_age_s": round(self.heartbeat_age_s, 3),
+            "alive": self.alive,
+        }
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """A plan's outcome recorded under its idempotency key (`result` is the plan result JSON)."""
+
+    idempotency_key: str
+    trace_id: str
+    status: str  # running | ok | failed
+    result: dict
+    created_at: float
+    finished_at: float = 0.0
+    deadline_at: float = 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "idempotency_key": self.idempotency_key,
+            "trace_id": self.trace_id,
+            "status": self.status,
+            "created_at": self.created_at,
+            "finished_at": self.finished_at or None,
+            "duration_s": round(self.finished_at - self.created_at, 4)
+            if self.finished_at
+            else None,
+            "result": self.result,
         }

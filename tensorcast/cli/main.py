@@ -9,11 +9,18 @@ import typer
 from tensorcast.cli import (
     down,
     get,
+    hydrate,
+    instance,
+    instances,
     ls,
+    migrate,
     pin,
+    plans,
     prefetch,
+    publish,
     put,
     rm,
+    shards,
     show,
     status,
     store,
@@ -22,6 +29,7 @@ from tensorcast.cli import (
     up,
     weights,
     worker,
+    workers,
 )
 from tensorcast.errors import TensorcastError
 
@@ -33,11 +41,32 @@ app = typer.Typer(
     add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-for module in (up, down, status, top, put, get, ls, show, rm, prefetch, pin, unpin):
+for module in (
+    up,
+    down,
+    status,
+    top,
+    put,
+    get,
+    ls,
+    show,
+    rm,
+    prefetch,
+    pin,
+    unpin,
+    publish,
+    hydrate,
+    migrate,
+    workers,
+    instances,
+    plans,
+    shards,
+):
     app.command(name=module.NAME, help=module.__doc__)(module.command)
 app.add_typer(store.app, name="store")
 app.add_typer(worker.app, name="worker")
 app.add_typer(weights.app, name="weights")
+app.add_typer(instance.app, name="instance")
 
 
 def run() -> None:

@@ -30,6 +30,14 @@ def start(
         str, typer.Option("--listen", help="HOST:PORT to serve on (port 0: any).")
     ] = "127.0.0.1:7400",
     metrics_listen: MetricsListenOpt = "127.0.0.1:0",
+    shards: Annotated[
+        int | None,
+        typer.Option(
+            "--shards",
+            help="KV page shards, fixed when the store is first created [default: 16].",
+            show_default=False,
+        ),
+    ] = None,
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
@@ -68,4 +76,5 @@ def start(
             {"addr": addr, "pid": os.getpid(), "metrics_addr": metrics_addr},
         ),
         metrics_listen=metrics_listen,
+        num_shards=shards,
     )

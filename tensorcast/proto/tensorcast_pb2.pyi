@@ -59,7 +59,7 @@ class Artifact(_message.Message):
     def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., parent: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive", "data_addr", "active_transfers", "transfer_bytes_total", "disk_used_bytes")
+    __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive", "data_addr", "active_transfers", "transfer_bytes_total", "disk_used_bytes", "num_replicas")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class Worker(_message.Message):
     ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     addr: str
@@ -92,7 +93,8 @@ class Worker(_message.Message):
     active_transfers: int
     transfer_bytes_total: int
     disk_used_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., addr: _Optional[str] = ..., host_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., mem_cap_bytes: _Optional[int] = ..., mem_used_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., registered_at: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., data_addr: _Optional[str] = ..., active_transfers: _Optional[int] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ...) -> None: ...
+    num_replicas: int
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., addr: _Optional[str] = ..., host_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., mem_cap_bytes: _Optional[int] = ..., mem_used_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., registered_at: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., data_addr: _Optional[str] = ..., active_transfers: _Optional[int] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., num_replicas: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -107,7 +109,7 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total", "disk_used_bytes")
+    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total", "disk_used_bytes", "held_shards", "instances")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +118,8 @@ class HeartbeatRequest(_message.Message):
     DISK_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     mem_used_bytes: int
     content_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -124,13 +128,125 @@ class HeartbeatRequest(_message.Message):
     disk_content_ids: _containers.RepeatedScalarFieldContainer[str]
     transfer_bytes_total: int
     disk_used_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ...) -> None: ...
+    held_shards: _containers.RepeatedCompositeFieldContainer[ShardLease]
+    instances: _containers.RepeatedCompositeFieldContainer[Instance]
+    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., held_shards: _Optional[_Iterable[_Union[ShardLease, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("drop_content_ids",)
+    __slots__ = ("drop_content_ids", "shards")
     DROP_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     drop_content_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, drop_content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    shards: ShardTable
+    def __init__(self, drop_content_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Union[ShardTable, _Mapping]] = ...) -> None: ...
+
+class ShardLease(_message.Message):
+    __slots__ = ("shard", "holder_worker_id", "token", "expires_in_s", "holder_addr", "holder_local_socket", "holder_host_id")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    holder_worker_id: str
+    token: int
+    expires_in_s: float
+    holder_addr: str
+    holder_local_socket: str
+    holder_host_id: str
+    def __init__(self, shard: _Optional[int] = ..., holder_worker_id: _Optional[str] = ..., token: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., holder_addr: _Optional[str] = ..., holder_local_socket: _Optional[str] = ..., holder_host_id: _Optional[str] = ...) -> None: ...
+
+class ShardTable(_message.Message):
+    __slots__ = ("num_shards", "lease_ttl_s", "leases", "live_homes")
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_HOMES_FIELD_NUMBER: _ClassVar[int]
+    num_shards: int
+    lease_ttl_s: float
+    leases: _containers.RepeatedCompositeFieldContainer[ShardLease]
+    live_homes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_shards: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., leases: _Optional[_Iterable[_Union[ShardLease, _Mapping]]] = ..., live_homes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AcquireShardsRequest(_message.Message):
+    __slots__ = ("worker_id", "shards")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Instance(_message.Message):
+    __slots__ = ("instance_id", "worker_id", "engine", "endpoint", "waiting", "running", "cached_tokens", "requests", "heartbeat_age_s", "alive", "worker_name")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    worker_id: str
+    engine: str
+    endpoint: str
+    waiting: int
+    running: int
+    cached_tokens: int
+    requests: _containers.RepeatedScalarFieldContainer[str]
+    heartbeat_age_s: float
+    alive: bool
+    worker_name: str
+    def __init__(self, instance_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., engine: _Optional[str] = ..., endpoint: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[str]] = ..., heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., worker_name: _Optional[str] = ...) -> None: ...
+
+class ListInstancesReply(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[Instance]
+    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
+
+class PlanRecord(_message.Message):
+    __slots__ = ("idempotency_key", "trace_id", "status", "result_json", "created_at", "finished_at", "deadline_at")
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_AT_FIELD_NUMBER: _ClassVar[int]
+    idempotency_key: str
+    trace_id: str
+    status: str
+    result_json: str
+    created_at: float
+    finished_at: float
+    deadline_at: float
+    def __init__(self, idempotency_key: _Optional[str] = ..., trace_id: _Optional[str] = ..., status: _Optional[str] = ..., result_json: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., deadline_at: _Optional[float] = ...) -> None: ...
+
+class BeginPlanReply(_message.Message):
+    __slots__ = ("started", "existing")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    EXISTING_FIELD_NUMBER: _ClassVar[int]
+    started: bool
+    existing: PlanRecord
+    def __init__(self, started: _Optional[bool] = ..., existing: _Optional[_Union[PlanRecord, _Mapping]] = ...) -> None: ...
+
+class ListPlansRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListPlansReply(_message.Message):
+    __slots__ = ("plans",)
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    plans: _containers.RepeatedCompositeFieldContainer[PlanRecord]
+    def __init__(self, plans: _Optional[_Iterable[_Union[PlanRecord, _Mapping]]] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -249,14 +365,20 @@ class StoreStatus(_message.Message):
     def __init__(self, version: _Optional[str] = ..., schema_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., db_path: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., num_artifacts: _Optional[int] = ..., num_contents: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker", "num_contents", "num_holds")
+    __slots__ = ("worker", "num_contents", "num_holds", "store_addr", "pages", "page_bytes")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     NUM_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker: Worker
     num_contents: int
     num_holds: int
-    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., num_contents: _Optional[int] = ..., num_holds: _Optional[int] = ...) -> None: ...
+    store_addr: str
+    pages: int
+    page_bytes: int
+    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., num_contents: _Optional[int] = ..., num_holds: _Optional[int] = ..., store_addr: _Optional[str] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class SliceSpec(_message.Message):
     __slots__ = ("tensor", "start", "stop", "step")
@@ -369,3 +491,113 @@ class PinRequest(_message.Message):
     content_id: str
     pinned: bool
     def __init__(self, content_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("plan_json",)
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    plan_json: str
+    def __init__(self, plan_json: _Optional[str] = ...) -> None: ...
+
+class PlanReply(_message.Message):
+    __slots__ = ("result_json",)
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    result_json: str
+    def __init__(self, result_json: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("trace_id", "step_json", "timeout_ms")
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_JSON_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    trace_id: str
+    step_json: str
+    timeout_ms: int
+    def __init__(self, trace_id: _Optional[str] = ..., step_json: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("result_json",)
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    result_json: str
+    def __init__(self, result_json: _Optional[str] = ...) -> None: ...
+
+class Page(_message.Message):
+    __slots__ = ("key", "shard", "token", "dtype", "shape", "data", "hash")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shard: int
+    token: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    hash: str
+    def __init__(self, key: _Optional[str] = ..., shard: _Optional[int] = ..., token: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., hash: _Optional[str] = ...) -> None: ...
+
+class PutPagesRequest(_message.Message):
+    __slots__ = ("pages", "ttl_s")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedCompositeFieldContainer[Page]
+    ttl_s: float
+    def __init__(self, pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PageKey(_message.Message):
+    __slots__ = ("key", "shard", "token")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shard: int
+    token: int
+    def __init__(self, key: _Optional[str] = ..., shard: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+
+class PageKeys(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[PageKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[PageKey, _Mapping]]] = ...) -> None: ...
+
+class PagesReply(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedCompositeFieldContainer[Page]
+    def __init__(self, pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ...) -> None: ...
+
+class ExistsReply(_message.Message):
+    __slots__ = ("exists",)
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    exists: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, exists: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class InstanceMessage(_message.Message):
+    __slots__ = ("hello", "call_id", "result_json", "error_kind", "error_message")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    hello: Instance
+    call_id: int
+    result_json: str
+    error_kind: str
+    error_message: str
+    def __init__(self, hello: _Optional[_Union[Instance, _Mapping]] = ..., call_id: _Optional[int] = ..., result_json: _Optional[str] = ..., error_kind: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class InstanceCommand(_message.Message):
+    __slots__ = ("call_id", "op", "args_json", "timeout_ms", "trace_id")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    op: str
+    args_json: str
+    timeout_ms: int
+    trace_id: str
+    def __init__(self, call_id: _Optional[int] = ..., op: _Optional[str] = ..., args_json: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...

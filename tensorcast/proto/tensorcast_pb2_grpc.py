@@ -99,6 +99,41 @@ class GlobalStoreStub:
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Artifact.FromString,
                 _registered_method=True)
+        self.ListShards = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/ListShards',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
+                _registered_method=True)
+        self.AcquireShards = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/AcquireShards',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.AcquireShardsRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
+                _registered_method=True)
+        self.ListInstances = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/ListInstances',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListInstancesReply.FromString,
+                _registered_method=True)
+        self.BeginPlan = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/BeginPlan',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.BeginPlanReply.FromString,
+                _registered_method=True)
+        self.FinishPlan = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/FinishPlan',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetPlan = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/GetPlan',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.FromString,
+                _registered_method=True)
+        self.ListPlans = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/ListPlans',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListPlansRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListPlansReply.FromString,
+                _registered_method=True)
 
 
 class GlobalStoreServicer:
@@ -182,6 +217,49 @@ class GlobalStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInstances(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginPlan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishPlan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPlan(self, request, context):
+        """by idempotency_key
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPlans(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GlobalStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +327,41 @@ def add_GlobalStoreServicer_to_server(servicer, server):
                     servicer.RenewLease,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.RenewLeaseRequest.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Artifact.SerializeToString,
+            ),
+            'ListShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListShards,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.SerializeToString,
+            ),
+            'AcquireShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireShards,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.AcquireShardsRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.SerializeToString,
+            ),
+            'ListInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstances,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListInstancesReply.SerializeToString,
+            ),
+            'BeginPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginPlan,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.BeginPlanReply.SerializeToString,
+            ),
+            'FinishPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishPlan,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            ),
+            'GetPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlan,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.SerializeToString,
+            ),
+            'ListPlans': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPlans,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListPlansRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListPlansReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -612,6 +725,195 @@ class GlobalStore:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ListShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/ListShards',
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/AcquireShards',
+            tensorcast_dot_proto_dot_tensorcast__pb2.AcquireShardsRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/ListInstances',
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ListInstancesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/BeginPlan',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.BeginPlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/FinishPlan',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/GetPlan',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.PlanRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPlans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/ListPlans',
+            tensorcast_dot_proto_dot_tensorcast__pb2.ListPlansRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ListPlansReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -656,6 +958,41 @@ class WorkerServiceStub:
                 '/tensorcast.v1.WorkerService/Pin',
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PinRequest.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                _registered_method=True)
+        self.RunPlan = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/RunPlan',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanReply.FromString,
+                _registered_method=True)
+        self.RunStep = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/RunStep',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.StepRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.Attach = channel.stream_stream(
+                '/tensorcast.v1.WorkerService/Attach',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.InstanceMessage.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.InstanceCommand.FromString,
+                _registered_method=True)
+        self.PutPages = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/PutPages',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PutPagesRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetPages = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/GetPages',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PageKeys.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PagesReply.FromString,
+                _registered_method=True)
+        self.ExistsPages = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/ExistsPages',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PageKeys.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ExistsReply.FromString,
+                _registered_method=True)
+        self.Shards = channel.unary_unary(
+                '/tensorcast.v1.WorkerService/Shards',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
                 _registered_method=True)
 
 
@@ -704,6 +1041,49 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunPlan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutPages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExistsPages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shards(self, request, context):
+        """this worker's cached lease table
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -741,6 +1121,41 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PinRequest.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            ),
+            'RunPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunPlan,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PlanReply.SerializeToString,
+            ),
+            'RunStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunStep,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.StepRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.StepReply.SerializeToString,
+            ),
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.InstanceMessage.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.InstanceCommand.SerializeToString,
+            ),
+            'PutPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutPages,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PutPagesRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            ),
+            'GetPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPages,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PageKeys.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PagesReply.SerializeToString,
+            ),
+            'ExistsPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExistsPages,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PageKeys.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ExistsReply.SerializeToString,
+            ),
+            'Shards': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shards,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -932,6 +1347,195 @@ class WorkerService:
             '/tensorcast.v1.WorkerService/Pin',
             tensorcast_dot_proto_dot_tensorcast__pb2.PinRequest.SerializeToString,
             tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/RunPlan',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PlanRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.PlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/RunStep',
+            tensorcast_dot_proto_dot_tensorcast__pb2.StepRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tensorcast.v1.WorkerService/Attach',
+            tensorcast_dot_proto_dot_tensorcast__pb2.InstanceMessage.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.InstanceCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/PutPages',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PutPagesRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/GetPages',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PageKeys.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.PagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExistsPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/ExistsPages',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PageKeys.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ExistsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.WorkerService/Shards',
+            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.types import ArtifactInfo, ReplicaInfo, TensorMeta, WorkerInfo
+from tensorcast.types import (
+    ArtifactInfo,
+    InstanceInfo,
+    PlanRecord,
+    ReplicaInfo,
+    ShardLease,
+    ShardTable,
+    TensorMeta,
+    WorkerInfo,
+)
 
 
 def tensor_to_pb(t: TensorMeta) -> pb.TensorMeta:
@@ -81,6 +91,7 @@ def worker_to_pb(w: WorkerInfo) -> pb.Worker:
         active_transfers=w.active_transfers,
         transfer_bytes_total=w.transfer_bytes_total,
         disk_used_bytes=w.disk_used_bytes,
+        num_replicas=w.num_replicas,
     )
 
 
@@ -102,4 +113,101 @@ def worker_from_pb(m: pb.Worker) -> WorkerInfo:
         active_transfers=m.active_transfers,
         transfer_bytes_total=m.transfer_bytes_total,
         disk_used_bytes=m.disk_used_bytes,
+        num_replicas=m.num_replicas,
+    )
+
+
+def instance_to_pb(i: InstanceInfo) -> pb.Instance:
+    return pb.Instance(
+        instance_id=i.instance_id,
+        worker_id=i.worker_id,
+        engine=i.engine,
+        endpoint=i.endpoint,
+        waiting=i.waiting,
+        running=i.running,
+        cached_tokens=i.cached_tokens,
+        requests=list(i.requests),
+        heartbeat_age_s=i.heartbeat_age_s,
+        alive=i.alive,
+        worker_name=i.worker_name,
+    )
+
+
+def instance_from_pb(m: pb.Instance) -> InstanceInfo:
+    return InstanceInfo(
+        instance_id=m.instance_id,
+        worker_id=m.worker_id,
+        engine=m.engine,
+        endpoint=m.endpoint,
+        waiting=m.waiting,
+        running=m.running,
+        cached_tokens=m.cached_tokens,
+        requests=tuple(m.requests),
+        heartbeat_age_s=m.heartbeat_age_s,
+        alive=m.alive,
+        worker_name=m.worker_name,
+    )
+
+
+def shard_table_to_pb(t: ShardTable) -> pb.ShardTable:
+    return pb.ShardTable(
+        num_shards=t.num_shards,
+        lease_ttl_s=t.lease_ttl_s,
+        leases=[
+            pb.ShardLease(
+                shard=lease.shard,
+                holder_worker_id=lease.holder_worker_id,
+                token=lease.token,
+                expires_in_s=lease.expires_in_s,
+                holder_addr=lease.holder_addr,
+                holder_local_socket=lease.holder_local_socket,
+                holder_host_id=lease.holder_host_id,
+            )
+            for lease in t.leases
+        ],
+        live_homes=list(t.live_homes),
+    )
+
+
+def shard_table_from_pb(m: pb.ShardTable) -> ShardTable:
+    return ShardTable(
+        num_shards=m.num_shards,
+        lease_ttl_s=m.lease_ttl_s,
+        leases=tuple(
+            ShardLease(
+                lease.shard,
+                lease.holder_worker_id,
+                lease.token,
+                lease.expires_in_s,
+                lease.holder_addr,
+                lease.holder_local_socket,
+                lease.holder_host_id,
+            )
+            for lease in m.leases
+        ),
+        live_homes=tuple(m.live_homes),
+    )
+
+
+def plan_to_pb(p: PlanRecord) -> pb.PlanRecord:
+    return pb.PlanRecord(
+        idempotency_key=p.idempotency_key,
+        trace_id=p.trace_id,
+        status=p.status,
+        result_json=json.dumps(p.result),
+        created_at=p.created_at,
+        finished_at=p.finished_at,
+        deadline_at=p.deadline_at,
+    )
+
+
+def plan_from_pb(m: pb.PlanRecord) -> PlanRecord:
+    return PlanRecord(
+        idempotency_key=m.idempotency_key,
+        trace_id=m.trace_id,
+        status=m.status,
+        result=json.loads(m.result_json or "{}"),
+        created_at=m.created_at,
+        finished_at=m.finished_at,
+        deadline_at=m.deadline_at,
     )

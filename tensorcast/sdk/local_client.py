@@ -34,6 +34,8 @@ class LocalConnection:
             raise errors.Unavailable("worker did not send its pool descriptor")
         self.fd = fds[0]
         self.worker_id = reply["worker_id"]
+        self.arena_bytes = int(reply["arena_bytes"])
+        self._arena: memoryview | None = None
         self._live_holds = 0
         self._released: collections.deque[int] = collections.deque()
         self._wake = threading.Event()
@@ -79,6 +81,15 @@ class LocalConnection:
                 offset=start,
             )
         return mm, offset - start
+
+    def arena(self) -> memoryview:
+        """The whole pool, mapped shared once: KV pages are written and read in place. Page
+        reads are verified by hash, since the worker may reuse a region after eviction."""
+        with self._lock:
+            if self._arena is None:
+                mm = mmap.mmap(self.fd, self.arena_bytes, flags=mmap.MAP_SHARED)
+                self._arena = memoryview(mm)
+            return self._arena
 
     def open(self, content_id: str) -> tuple[mmap.mmap, int, tuple[TensorMeta, ...]]:
         """Hold a content and map it; the hold ends when the returned map is garbage collected."""

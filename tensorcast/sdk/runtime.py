@@ -16,13 +16,23 @@ from tensorcast.placement import order_sources, order_targets
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
-from tensorcast.rpc.convert import artifact_from_pb, tensor_to_pb, worker_from_pb
+from tensorcast.rpc.convert import (
+    artifact_from_pb,
+    instance_from_pb,
+    plan_from_pb,
+    shard_table_from_pb,
+    tensor_to_pb,
+    worker_from_pb,
+)
 from tensorcast.sdk.cluster_file import ClusterRecord, read_token
 from tensorcast.sdk.local_client import LocalConnection
 from tensorcast.types import (
     OWNER_LEASE,
     OWNER_SYSTEM,
     ArtifactInfo,
+    InstanceInfo,
+    PlanRecord,
+    ShardTable,
     TensorMeta,
     WorkerInfo,
 )
@@ -31,6 +41,8 @@ if TYPE_CHECKING:
     import torch
 
     from tensorcast.sdk.artifact import Artifact
+    from tensorcast.sdk.pages import Pages
+    from tensorcast.sdk.signals import Signals
 
 Progress = Callable[[int], None]  # called with bytes just moved
 
@@ -76,9 +88,11 @@ class Runtime:
         self.store = Stub(
             pb_grpc.GlobalStoreStub(self._channel), f"global store {store_addr}", token, timeout_s
         )
-        self._worker_stubs: dict[str, tuple[Any, Stub]] = {}
+        self._worker_stubs: dict[str, tuple[Any, Stub, str]] = {}
         self._local: dict[str, LocalConnection] = {}
         self._lock = threading.Lock()
+        self._signals: Signals | None = None
+        self._pages: Pages | None = None
 
     # -- cluster -------------------------------------------------------------------------------
 
@@ -89,26 +103,84 @@ class Runtime:
         return [worker_from_pb(w) for w in self.store.call("ListWorkers", pb.Empty()).workers]
 
     def worker_stub(self, worker: WorkerInfo) -> Stub:
+        return self.worker_stub_at(worker.worker_id, worker.addr, worker.name)
+
+    def worker_stub_at(self, worker_id: str, addr: str, name: str = "") -> Stub:
         with self._lock:
-            if worker.worker_id not in self._worker_stubs:
-                channel = make_channel(worker.addr)
+            cached = self._worker_stubs.get(worker_id)
+            if cached is None or cached[2] != addr:
+                channel = make_channel(addr)
                 stub = Stub(
                     pb_grpc.WorkerServiceStub(channel),
-                    f"worker {worker.name} ({worker.addr})",
+                    f"worker {name or worker_id} ({addr})",
                     self.token,
                     self.timeout_s,
                 )
-                self._worker_stubs[worker.worker_id] = (channel, stub)
-            return self._worker_stubs[worker.worker_id][1]
+                cached = self._worker_stubs[worker_id] = (channel, stub, addr)
+            return cached[1]
 
     def local_connection(self, worker: WorkerInfo) -> LocalConnection:
+        return self.local_connection_to(worker.worker_id, worker.local_socket)
+
+    def local_connection_to(self, worker_id: str, local_socket: str) -> LocalConnection:
         with self._lock:
-            conn = self._local.get(worker.worker_id)
+            conn = self._local.get(worker_id)
         if conn is None:
-            conn = LocalConnection(worker.local_socket, self.token, self.timeout_s)
+            conn = LocalConnection(local_socket, self.token, self.timeout_s)
             with self._lock:
-                conn = self._local.setdefault(worker.worker_id, conn)
+                conn = self._local.setdefault(worker_id, conn)
         return conn
+
+    # -- signals, plans, pages -------------------------------------------------------------------
+
+    def signals(self) -> Signals:
+        """Snapshots of workers and instances for caller-side policies (routers, autoscalers)."""
+        from tensorcast.sdk.signals import Signals
+
+        with self._lock:
+            if self._signals is None:
+                self._signals = Signals(self)
+            return self._signals
+
+    def pages(self) -> Pages:
+        """The KV page API (`put_pages`, `get_pages`, `exists_pages`) with a cached lease table."""
+        from tensorcast.sdk.pages import Pages
+
+        with self._lock:
+            if self._pages is None:
+                self._pages = Pages(self)
+            return self._pages
+
+    def gateway(self, name_or_id: str | None = None) -> WorkerInfo:
+        """A live gateway worker to submit plans to: the named one, else same host first."""
+        if name_or_id is not None:
+            worker = self.resolve_worker(name_or_id)
+            if "gateway" not in worker.roles:
+                raise InvalidArgument(f"worker {worker.name} does not have the gateway role")
+            return worker
+        gateways = [w for w in self.workers() if w.alive and "gateway" in w.roles]
+        if not gateways:
+            raise Unavailable("no live gateway worker: start one with --roles ...,gateway")
+        return sorted(gateways, key=lambda w: (w.host_id != self.host_id, w.name))[0]
+
+    def instances(self) -> list[InstanceInfo]:
+        reply = self.store.call("ListInstances", pb.Empty())
+        return [instance_from_pb(i) for i in reply.instances]
+
+    def resolve_instance(self, instance_id: str) -> InstanceInfo:
+        for inst in self.instances():
+            if inst.instance_id == instance_id:
+                if not inst.alive:
+                    raise Unavailable(f"instance {instance_id!r} is not alive")
+                return inst
+        raise NotFound(f"no instance {instance_id!r} (see `tc instances`)")
+
+    def plans(self, limit: int = 50) -> list[PlanRecord]:
+        reply = self.store.call("ListPlans", pb.ListPlansRequest(limit=limit))
+        return [plan_from_pb(p) for p in reply.plans]
+
+    def shards(self) -> ShardTable:
+        return shard_table_from_pb(self.store.call("ListShards", pb.Empty()))
 
     def is_local(self, worker: WorkerInfo) -> bool:
         return worker.host_id == self.host_id
@@ -117,7 +189,7 @@ class Runtime:
         with self._lock:
             for conn in self._local.values():
                 conn.close()
-            for channel, _ in self._worker_stubs.values():
+            for channel, _, _ in self._worker_stubs.values():
                 channel.close()
             self._local.clear()
             self._worker_stubs.clear()

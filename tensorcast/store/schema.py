@@ -90,7 +90,16 @@ def _v3(db: sqlite_utils.Database) -> None:
     db.table("workers").add_column("disk_used_bytes", int, not_null_default=0)
 
 
-MIGRATIONS = (_v1, _v2, _v3)
+def _v4(db: sqlite_utils.Database) -> None:
+    """Plans, instances and KV shards: cluster settings (the shard count), instance endpoints,
+    plan deadlines (a running plan past its deadline is abandoned and may run again)."""
+    db.table("settings").create({"key": str, "value": str}, pk="key")
+    db.table("instances").add_column("endpoint", str, not_null_default="")
+    db.table("plan_results").add_column("deadline_at", float, not_null_default=0.0)
+    db.table("plan_results").create_index(["created_at"])
+
+
+MIGRATIONS = (_v1, _v2, _v3, _v4)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
+from tensorcast.store.coordination import SqliteCoordination
 from tensorcast.store.service import GlobalStoreService
 from tensorcast.store.sqlite_store import SqliteStore
 
@@ -67,12 +68,14 @@ def serve(
     on_ready=None,
     stop_event: threading.Event | None = None,
     metrics_listen: str = "127.0.0.1:0",
+    num_shards: int | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`). `on_ready(addr)` runs once listening."""
     store = SqliteStore(db_path, heartbeat_ttl_s)
+    coord = SqliteCoordination(store, num_shards)
     server = make_server(token)
     pb_grpc.add_GlobalStoreServicer_to_server(
-        GlobalStoreService(store, str(db_path), heartbeat_ttl_s), server
+        GlobalStoreService(store, coord, str(db_path), heartbeat_ttl_s), server
     )
     addr = bind(server, listen)
     server.start()
@@ -92,6 +95,7 @@ def serve(
     while not stop.wait(SWEEP_INTERVAL_S):
         try:
             store.sweep(time.time())
+            coord.sweep(time.time())
         except Exception:  # keep serving; the next sweep retries
             log.exception("sweep failed")
     log.info("global store stopping")

@@ -9,17 +9,30 @@ from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.convert import (
     artifact_to_pb,
+    instance_from_pb,
+    instance_to_pb,
+    plan_from_pb,
+    plan_to_pb,
     replica_to_pb,
+    shard_table_to_pb,
     tensor_to_pb,
     tensors_from_pb,
     worker_to_pb,
 )
 from tensorcast.store.base import MetadataStore, WorkerRegistration
+from tensorcast.store.coordination import SqliteCoordination
 
 
 class GlobalStoreService(pb_grpc.GlobalStoreServicer):
-    def __init__(self, store: MetadataStore, db_path: str, heartbeat_ttl_s: float) -> None:
+    def __init__(
+        self,
+        store: MetadataStore,
+        coord: SqliteCoordination,
+        db_path: str,
+        heartbeat_ttl_s: float,
+    ) -> None:
         self.store = store
+        self.coord = coord
         self.db_path = db_path
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.started_at = time.time()
@@ -55,10 +68,12 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         return pb.RegisterWorkerReply(heartbeat_ttl_s=self.heartbeat_ttl_s)
 
     def DeregisterWorker(self, request, context):
+        self.coord.release_shards(request.worker_id)
         self.store.deregister_worker(request.worker_id)
         return pb.Empty()
 
     def Heartbeat(self, request, context):
+        now = time.time()
         drop = self.store.heartbeat(
             request.worker_id,
             request.mem_used_bytes,
@@ -70,7 +85,15 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             request.transfer_bytes_total,
             request.disk_used_bytes,
         )
-        return pb.HeartbeatReply(drop_content_ids=drop)
+        self.coord.renew_shards(
+            request.worker_id, [(s.shard, s.token) for s in request.held_shards], now
+        )
+        self.coord.report_instances(
+            request.worker_id, [instance_from_pb(i) for i in request.instances], now
+        )
+        return pb.HeartbeatReply(
+            drop_content_ids=drop, shards=shard_table_to_pb(self.coord.shard_table(now))
+        )
 
     def ListWorkers(self, request, context):
         workers = self.store.list_workers(time.time())
@@ -124,3 +147,32 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
 
     def RenewLease(self, request, context):
         return artifact_to_pb(self.store.renew_lease(request.art_id, request.ttl_s, time.time()))
+
+    def ListShards(self, request, context):
+        return shard_table_to_pb(self.coord.shard_table(time.time()))
+
+    def AcquireShards(self, request, context):
+        table = self.coord.acquire_shards(request.worker_id, list(request.shards), time.time())
+        return shard_table_to_pb(table)
+
+    def ListInstances(self, request, context):
+        instances = self.coord.list_instances(time.time())
+        return pb.ListInstancesReply(instances=[instance_to_pb(i) for i in instances])
+
+    def BeginPlan(self, request, context):
+        started, previous = self.coord.begin_plan(plan_from_pb(request), time.time())
+        reply = pb.BeginPlanReply(started=started)
+        if previous is not None:
+            reply.existing.CopyFrom(plan_to_pb(previous))
+        return reply
+
+    def FinishPlan(self, request, context):
+        self.coord.finish_plan(plan_from_pb(request), time.time())
+        return pb.Empty()
+
+    def GetPlan(self, request, context):
+        return plan_to_pb(self.coord.get_plan(request.idempotency_key))
+
+    def ListPlans(self, request, context):
+        plans = self.coord.list_plans(request.limit)
+        return pb.ListPlansReply(plans=[plan_to_pb(p) for p in plans])

@@ -159,9 +159,12 @@ class SqliteStore:
     def list_workers(self, now: float) -> list[WorkerInfo]:
         with self._lock:
             rows = list(self.db.table("workers").rows_where(order_by="name, worker_id"))
-        return [self._worker(r, now) for r in rows]
+            counts = dict(
+                self.db.execute("SELECT worker_id, COUNT(*) FROM replicas GROUP BY worker_id")
+            )
+        return [self._worker(r, now, counts.get(r["worker_id"], 0)) for r in rows]
 
-    def _worker(self, r: dict, now: float) -> WorkerInfo:
+    def _worker(self, r: dict, now: float, num_replicas: int = 0) -> WorkerInfo:
         age = max(0.0, now - r["last_heartbeat"])
         return WorkerInfo(
             worker_id=r["worker_id"],
@@ -180,6 +183,7 @@ class SqliteStore:
             active_transfers=r["active_transfers"],
             transfer_bytes_total=r["transfer_bytes_total"],
             disk_used_bytes=r["disk_used_bytes"],
+            num_replicas=num_replicas,
         )
 
     # -- contents and replicas -----------------------------------------------------------------

@@ -16,6 +16,8 @@ from tensorcast.errors import InvalidArgument, TensorcastError, Unauthenticated
 from tensorcast.transport.unix import recv_message, send_message, socket_address
 from tensorcast.types import TensorMeta
 from tensorcast.worker.node import WorkerNode
+from tensorcast.worker.page_service import PageService
+from tensorcast.worker.pages import PageWrite
 from tensorcast.worker.pool import Content
 
 log = logging.getLogger("tensorcast.worker.local")
@@ -24,8 +26,9 @@ MAX_CONNECTIONS = 256
 
 
 class LocalServer:
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: WorkerNode, pages: PageService) -> None:
         self.node = node
+        self.pages = pages
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(socket_address(node.local_socket))
         self.sock.listen(64)
@@ -54,7 +57,7 @@ class LocalServer:
         self.sock.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        session = _Session(self.node)
+        session = _Session(self.node, self.pages)
         try:
             message, _ = recv_message(conn)
             if message.get("op") != "hello" or not hmac.compare_digest(
@@ -93,8 +96,10 @@ def _error(e: TensorcastError) -> dict[str, Any]:
 
 
 class _Session:
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: WorkerNode, pages: PageService) -> None:
         self.node = node
+        self.pages = pages
+        self.page_regions: set[int] = set()  # allocated for pages, not committed yet
         self.holds: dict[int, Content] = {}
         self.reservations: set[int] = set()
         self._next_hold = 1
@@ -144,6 +149,36 @@ class _Session:
                 self.reservations.discard(reservation_id)
                 pool.abort(reservation_id)
             return {"ok": True}
+        if op == "page_alloc":
+            offsets = self.pages.store.allocate([int(n) for n in m["sizes"]])
+            self.page_regions.update(offsets)
+            return {"ok": True, "offsets": offsets}
+        if op == "page_commit":
+            writes = [
+                PageWrite(
+                    str(p["key"]),
+                    int(p["shard"]),
+                    int(p["token"]),
+                    str(p["dtype"]),
+                    tuple(int(d) for d in p["shape"]),
+                    int(p["offset"]),
+                    int(p["size_bytes"]),
+                    str(p["hash"]),
+                )
+                for p in m["pages"]
+            ]
+            if any(w.offset not in self.page_regions for w in writes):
+                raise InvalidArgument("a page region is not this connection's")
+            self.page_regions.difference_update(w.offset for w in writes)
+            self.pages.commit_local(writes, float(m["ttl_s"]))
+            return {"ok": True}
+        if op == "page_get":
+            keys = [(str(k), int(s), int(t)) for k, s, t in m["keys"]]
+            found = self.pages.lookup(keys)
+            return {"ok": True, "pages": [p.to_json() if p else None for p in found]}
+        if op == "page_exists":
+            keys = [(str(k), int(s), int(t)) for k, s, t in m["keys"]]
+            return {"ok": True, "exists": [p is not None for p in self.pages.lookup(keys)]}
         raise InvalidArgument(f"unknown local operation {op!r}")
 
     def close(self) -> None:
@@ -151,5 +186,7 @@ class _Session:
             self.node.pool.release(content)
         for reservation_id in self.reservations:
             self.node.pool.abort(reservation_id)
+        self.pages.store.free(list(self.page_regions))
+        self.page_regions.clear()
         self.holds.clear()
         self.reservations.clear()

@@ -15,9 +15,17 @@ from tensorcast.errors import NotFound, ResourceExhausted, TensorcastError
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
-from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
+from tensorcast.rpc.convert import (
+    instance_to_pb,
+    shard_table_from_pb,
+    tensor_to_pb,
+    tensors_from_pb,
+)
 from tensorcast.types import Committed, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
+from tensorcast.worker.instances import Instances
+from tensorcast.worker.leases import LeaseCache
+from tensorcast.worker.pages import PageStore
 from tensorcast.worker.pool import Pool, Reservation
 
 log = logging.getLogger("tensorcast.worker")
@@ -50,6 +58,12 @@ class WorkerNode:
         self.active_transfers: Callable[[], int] = lambda: 0
         self.transfer_bytes_total: Callable[[], int] = lambda: 0
         self.store_addr = store_addr
+        self.heartbeat_interval_s = 1.0
+        # KV pages (homed or cached), the shard leases behind them, attached instances.
+        self.pages = PageStore(pool)
+        self.leases = LeaseCache(self.worker_id)
+        self.instances = Instances(self.worker_id, self.name)
+        self.instances.on_change = self._report_soon
         self._channel = make_channel(store_addr)
         self.store = Stub(
             pb_grpc.GlobalStoreStub(self._channel),
@@ -59,6 +73,23 @@ class WorkerNode:
         )
         self._stop = threading.Event()
         self.last_heartbeat_ok = time.monotonic()
+        self._peers: dict[tuple[str, str], Stub] = {}
+        self._peers_lock = threading.Lock()
+        self._beat_lock = threading.Lock()
+
+    def peer(self, worker_id: str, addr: str, name: str = "") -> Stub:
+        """A cached stub for another worker's service."""
+        with self._peers_lock:
+            stub = self._peers.get((worker_id, addr))
+            if stub is None:
+                stub = Stub(
+                    pb_grpc.WorkerServiceStub(make_channel(addr)),
+                    f"worker {name or worker_id} ({addr})",
+                    self.token,
+                    30.0,
+                )
+                self._peers[(worker_id, addr)] = stub
+            return stub
 
     @property
     def local_socket(self) -> str:
@@ -212,9 +243,26 @@ class WorkerNode:
             content.content_id, content.size_bytes, content.tensors, result.deduplicated
         )
 
+    def _report_soon(self) -> None:
+        """Attach/detach: tell the store now rather than at the next heartbeat."""
+        threading.Thread(target=self._heartbeat_quietly, name="report", daemon=True).start()
+
+    def _heartbeat_quietly(self) -> None:
+        try:
+            self.heartbeat_once()
+        except TensorcastError as e:
+            log.warning("heartbeat failed: %s", e)
+
     def heartbeat_once(self) -> None:
+        # One at a time: lease tables must be applied in the order the store produced them.
+        with self._beat_lock:
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
         stats = self.pool.stats()
         sent_at = time.time()
+        sent_mono = time.monotonic()
+        held = self.leases.held()
         request = pb.HeartbeatRequest(
             worker_id=self.worker_id,
             mem_used_bytes=stats.used_bytes,
@@ -224,6 +272,8 @@ class WorkerNode:
             disk_content_ids=self.disk.content_ids() if self.disk else [],
             transfer_bytes_total=self.transfer_bytes_total(),
             disk_used_bytes=self.disk.used_bytes() if self.disk else 0,
+            held_shards=[pb.ShardLease(shard=s, token=t) for s, t in held.items()],
+            instances=[instance_to_pb(i) for i in self.instances.infos()],
         )
         try:
             reply = self.store.call("Heartbeat", request)
@@ -232,15 +282,36 @@ class WorkerNode:
             self.register()
             reply = self.store.call("Heartbeat", request)
         self.last_heartbeat_ok = time.monotonic()
+        self._take_shard_table(reply.shards, sent_mono)
         for content_id in reply.drop_content_ids:
             if self.pool.drop(content_id, unless_committed_after=sent_at):
                 log.info("dropped content %s (no artifact references it)", content_id)
             if self.disk is not None and content_id in request.disk_content_ids:
                 self.disk.delete(content_id)
 
+    def _take_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
+        lost = self.leases.update(shard_table_from_pb(table), sent_mono)
+        if lost:
+            dropped = self.pages.drop_shards(lost)
+            log.info("lost shards %s: dropped %d pages", sorted(lost), dropped)
+        if "shard-home" not in self.roles:
+            return
+        wanted = self.leases.to_acquire(self.heartbeat_interval_s)
+        if wanted:
+            sent_mono = time.monotonic()
+            reply = self.store.call(
+                "AcquireShards", pb.AcquireShardsRequest(worker_id=self.worker_id, shards=wanted)
+            )
+            self.leases.update(shard_table_from_pb(reply), sent_mono)
+            got = sorted(set(wanted) & set(self.leases.held()))
+            if got:
+                log.info("now home of shards %s", got)
+
     def heartbeat_loop(self, interval_s: float, on_tick: Callable[[], None]) -> None:
+        self.heartbeat_interval_s = interval_s
         while not self._stop.wait(interval_s):
             on_tick()
+            self.pages.expire()
             try:
                 self.heartbeat_once()
             except TensorcastError as e:

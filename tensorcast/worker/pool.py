@@ -99,6 +99,15 @@ class Pool:
             if res is not None:
                 self._alloc.free(res.offset)
 
+    def allocate(self, size_bytes: int) -> int:
+        """A raw region outside the content index (KV pages keep their own index)."""
+        with self._lock:
+            return self._alloc.allocate(size_bytes)
+
+    def free(self, offset: int) -> None:
+        with self._lock:
+            self._alloc.free(offset)
+
     def region(self, offset: int, size_bytes: int) -> memoryview:
         return self.view[offset : offset + size_bytes]
 

@@ -102,7 +102,8 @@ def serve(
     pool = Pool(mem_bytes)
     disk = DiskTier(disk_dir) if disk_dir else None
     node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s, disk)
-    server = make_server(token)
+    # Attach streams hold a thread each for their lifetime; plans nest calls between workers.
+    server = make_server(token, max_workers=64)
     host = listen.rpartition(":")[0]
     data_server = native.data_server(host, pool.mm, token)
     faults = fault_injection()
@@ -111,11 +112,12 @@ def serve(
     if faults.close_after_chunks:
         data_server.inject_close_after_chunks(faults.close_after_chunks)
     transfers = Transfers(node, data_server)
-    pb_grpc.add_WorkerServiceServicer_to_server(WorkerService(node, transfers), server)
+    service = WorkerService(node, transfers)
+    pb_grpc.add_WorkerServiceServicer_to_server(service, server)
     node.addr = advertised(bind(server, listen))
     node.data_addr = advertised(f"{host}:{data_server.port}")
     server.start()
-    local = LocalServer(node)
+    local = LocalServer(node, service.pages)
     local.start()
     metrics = MetricsServer(
         metrics_listen,
@@ -125,6 +127,8 @@ def serve(
     )
     node.metrics_addr = metrics.addr
     node.register()
+    node.heartbeat_interval_s = heartbeat_interval_s
+    node.heartbeat_once()  # the lease table and shard bids at once, not an interval later
     node.start_heartbeats(heartbeat_interval_s, on_tick=transfers.expire)
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -144,6 +148,7 @@ def serve(
     stop.wait()
     log.info("worker %s stopping", node.name)
     local.close()
+    node.instances.close()
     metrics.close()
     data_server.stop()
     node.stop()

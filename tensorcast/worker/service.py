@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from tensorcast.errors import IntegrityError, InvalidArgument
+import json
+
+from tensorcast import plan as planlib
+from tensorcast.errors import IntegrityError, InvalidArgument, Unavailable
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
-from tensorcast.rpc.convert import tensor_to_pb, tensors_from_pb
+from tensorcast.rpc.convert import shard_table_to_pb, tensor_to_pb, tensors_from_pb
 from tensorcast.transport import native
 from tensorcast.types import Committed
 from tensorcast.worker.node import WorkerNode
+from tensorcast.worker.page_service import PageService
+from tensorcast.worker.plans import PlanExecutor, StepRunner
 from tensorcast.worker.transfers import Transfers
 
 
@@ -25,6 +30,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
     def __init__(self, node: WorkerNode, transfers: Transfers) -> None:
         self.node = node
         self.transfers = transfers
+        self.pages = PageService(node)
+        self.steps = StepRunner(node, transfers, self.pages)
+        self.plans = PlanExecutor(node, self.steps)
 
     def Status(self, request, context):
         stats = self.node.pool.stats()
@@ -42,6 +50,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             ),
             num_contents=stats.num_contents,
             num_holds=stats.num_holds,
+            store_addr=self.node.store_addr,
+            pages=self.node.pages.stats()["pages"],
+            page_bytes=self.node.pages.stats()["bytes"],
         )
 
     def View(self, request, context):
@@ -134,3 +145,54 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         self.node.pool.set_pinned(request.content_id, request.pinned)
         self.node.heartbeat_once()  # the store lists the pin now, not a heartbeat later
         return pb.Empty()
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    def RunPlan(self, request, context):
+        if "gateway" not in self.node.roles:
+            raise InvalidArgument(
+                f"worker {self.node.name} is not a gateway: submit plans to a gateway worker"
+            )
+        plan = _json_object(request.plan_json, "plan")
+        return pb.PlanReply(result_json=json.dumps(self.plans.run(plan)))
+
+    def RunStep(self, request, context):
+        step = _json_object(request.step_json, "step")
+        planlib.validate(
+            {"deadline_ms": max(1, request.timeout_ms), "steps": [dict(step, id=0, after=[])]}
+        )
+        result = self.steps.run(step, request.timeout_ms / 1000, request.trace_id)
+        return pb.StepReply(result_json=json.dumps(result))
+
+    def Attach(self, request_iterator, context):
+        yield from self.node.instances.attach(request_iterator, context.is_active)
+
+    # -- KV pages ------------------------------------------------------------------------------
+
+    def PutPages(self, request, context):
+        self.pages.put(list(request.pages), request.ttl_s)
+        return pb.Empty()
+
+    def GetPages(self, request, context):
+        keys = [(k.key, k.shard, k.token) for k in request.keys]
+        return pb.PagesReply(pages=self.pages.get(keys))
+
+    def ExistsPages(self, request, context):
+        keys = [(k.key, k.shard, k.token) for k in request.keys]
+        return pb.ExistsReply(exists=[p is not None for p in self.pages.lookup(keys)])
+
+    def Shards(self, request, context):
+        table = self.node.leases.table
+        if table is None:
+            raise Unavailable(f"worker {self.node.name} has no shard lease table yet")
+        return shard_table_to_pb(table)
+
+
+def _json_object(text: str, what: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(f"the {what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"the {what} must be a JSON object")
+    return value

@@ -22,11 +22,9 @@ from tensorcast.errors import (
 )
 from tensorcast.placement import order_sources
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
-from tensorcast.rpc.client import Stub, make_channel
+from tensorcast.rpc.client import Stub
 from tensorcast.rpc.convert import replica_from_pb, tensors_from_pb, worker_from_pb
 from tensorcast.transport import native
-from tensorcast.types import WorkerInfo
 from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.pool import Content
 
@@ -56,7 +54,6 @@ class Transfers:
         self._tickets: dict[int, _Ticket] = {}
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
-        self._peers: dict[str, Stub] = {}
         self.bytes_received_total = 0
         node.active_transfers = self.active
         node.transfer_bytes_total = lambda: (
@@ -97,19 +94,6 @@ class Transfers:
             return len(self._tickets)
 
     # -- pulling from peers --------------------------------------------------------------------
-
-    def _peer(self, worker: WorkerInfo) -> Stub:
-        with self._lock:
-            stub = self._peers.get(worker.worker_id)
-            if stub is None:
-                stub = Stub(
-                    pb_grpc.WorkerServiceStub(make_channel(worker.addr)),
-                    f"worker {worker.name} ({worker.addr})",
-                    self.node.token,
-                    30.0,
-                )
-                self._peers[worker.worker_id] = stub
-            return stub
 
     @staticmethod
     def _close_remote(peer: Stub, ticket: int, deadline: float) -> None:
@@ -164,7 +148,7 @@ class Transfers:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            peer = self._peer(source)
+            peer = self.node.peer(source.worker_id, source.addr, source.name)
             try:
                 ticket = peer.call(
                     "OpenTransfer",

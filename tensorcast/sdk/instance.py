@@ -1,0 +1,233 @@
+"""The TensorCast side of an engine instance: opens the attach stream to its local worker,
+reports load, and runs the instance operations the worker pushes (publish, manifest, hydrate,
+evict, transform_into) against the engine's `InstanceAdaptor`.
+
+A request's KV cache is published as pages `kv/{req_id}/{page}` plus a manifest page
+`kv/{req_id}/manifest` (JSON: the adaptor's meta and every page's reference), all caller-leased
+with a TTL. Hydrate reads the manifest, takes pages from the local worker's cache first (a
+prefetch put them there) and the rest from their shard homes, checks every hash, and imports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from tensorcast import errors
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.sdk.pages import PageRef
+
+if TYPE_CHECKING:
+    from tensorcast.adaptors import InstanceAdaptor
+    from tensorcast.sdk.runtime import Runtime
+    from tensorcast.types import WorkerInfo
+
+log = logging.getLogger("tensorcast.instance")
+
+MAX_OPS_IN_FLIGHT = 4
+MAX_OUTGOING = 256
+RECONNECT_MAX_S = 2.0
+
+
+def manifest_key(req_id: str) -> str:
+    return f"kv/{req_id}/manifest"
+
+
+class InstanceRuntime:
+    def __init__(
+        self,
+        rt: Runtime,
+        adaptor: InstanceAdaptor,
+        worker: WorkerInfo,
+        instance_id: str,
+        *,
+        endpoint: str = "",
+        load_interval_s: float = 0.5,
+    ) -> None:
+        self.rt = rt
+        self.adaptor = adaptor
+        self.worker = worker
+        self.instance_id = instance_id
+        self.endpoint = endpoint
+        self.load_interval_s = load_interval_s
+        self.published: dict[str, dict] = {}
+        self._closed = threading.Event()
+        self._attached = threading.Event()
+        self._ops = ThreadPoolExecutor(MAX_OPS_IN_FLIGHT, thread_name_prefix="instance-op")
+        self._thread = threading.Thread(target=self._run, name="attach", daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> InstanceRuntime:
+        self._thread.start()
+        if not self._attached.wait(timeout_s):
+            raise errors.Unavailable(f"could not attach to worker {self.worker.name}")
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+        self._ops.shutdown(wait=False, cancel_futures=True)
+
+    # -- the attach stream ---------------------------------------------------------------------
+
+    def _hello(self) -> pb.InstanceMessage:
+        load = self.adaptor.load()
+        return pb.InstanceMessage(
+            hello=pb.Instance(
+                instance_id=self.instance_id,
+                engine=self.adaptor.engine,
+                endpoint=self.endpoint,
+                waiting=load.waiting,
+                running=load.running,
+                cached_tokens=load.cached_tokens,
+                requests=list(load.requests),
+            )
+        )
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._closed.is_set():
+            outgoing: queue.Queue[pb.InstanceMessage | None] = queue.Queue(MAX_OUTGOING)
+            try:
+                self._serve(outgoing)
+                backoff = 0.1
+            except errors.TensorcastError as e:
+                log.warning("attach stream to %s broke: %s", self.worker.name, e)
+            finally:
+                outgoing.put(None)
+            self._attached.clear()
+            if self._closed.wait(backoff):
+                return
+            backoff = min(RECONNECT_MAX_S, backoff * 2)
+
+    def _serve(self, outgoing: queue.Queue) -> None:
+        def messages():
+            yield self._hello()
+            next_report = time.monotonic() + self.load_interval_s
+            while not self._closed.is_set():
+                try:
+                    item = outgoing.get(timeout=max(0.0, next_report - time.monotonic()))
+                except queue.Empty:
+                    yield self._hello()  # a load report
+                    next_report = time.monotonic() + self.load_interval_s
+                    continue
+                if item is None:
+                    return
+                yield item
+
+        stub = self.rt.worker_stub(self.worker)
+        # The stream lives as long as the instance: no deadline on it, only on each operation.
+        commands = stub.stream("Attach", messages(), timeout_s=365 * 24 * 3600.0)
+        self._attached.set()
+        log.info("instance %s attached to worker %s", self.instance_id, self.worker.name)
+        for command in commands:
+            self._ops.submit(self._handle, command, outgoing)
+            if self._closed.is_set():
+                return
+
+    def _handle(self, command: pb.InstanceCommand, outgoing: queue.Queue) -> None:
+        reply = pb.InstanceMessage(call_id=command.call_id)
+        started = time.monotonic()
+        try:
+            args = json.loads(command.args_json or "{}")
+            handler = getattr(self, f"op_{command.op}", None)
+            if handler is None:
+                raise errors.InvalidArgument(f"instance operation {command.op!r} is unknown")
+            result = handler(**args)
+            reply.result_json = json.dumps(result)
+        except errors.TensorcastError as e:
+            reply.error_kind, reply.error_message = type(e).__name__, str(e)
+        except TypeError as e:
+            reply.error_kind, reply.error_message = "InvalidArgument", f"bad arguments: {e}"
+        except Exception as e:  # the engine failed: report it, keep serving
+            log.exception("instance operation %s failed", command.op)
+            reply.error_kind, reply.error_message = "TensorcastError", f"{type(e).__name__}: {e}"
+        log.info(
+            "trace=%s op=%s %s in %.3f s",
+            command.trace_id,
+            command.op,
+            reply.error_kind or "ok",
+            time.monotonic() - started,
+        )
+        try:
+            outgoing.put(reply, timeout=5.0)
+        except queue.Full:
+            log.warning("dropping the reply to %s: the stream is stuck", command.op)
+
+    # -- instance operations -------------------------------------------------------------------
+
+    def op_publish(self, req_id: str, ttl_s: float = 600.0) -> dict:
+        export = self.adaptor.export_kv(req_id)
+        names = list(export.pages)
+        pages = self.rt.pages()
+        refs = pages.put_pages({f"kv/{req_id}/{n}": export.pages[n] for n in names}, ttl_s)
+        manifest = {
+            "req_id": req_id,
+            "instance_id": self.instance_id,
+            "meta": export.meta,
+            "pages": [dict(r.to_json(), name=n) for n, r in zip(names, refs)],
+        }
+        (mref,) = pages.put_pages({manifest_key(req_id): json.dumps(manifest).encode()}, ttl_s)
+        result = {
+            "req_id": req_id,
+            "pages": [mref.to_json(), *manifest["pages"]],
+            "bytes": sum(r.size_bytes for r in refs) + mref.size_bytes,
+        }
+        self.published[req_id] = result
+        return result
+
+    def op_manifest(self, req_id: str) -> dict:
+        if req_id in self.published:
+            return self.published[req_id]
+        manifest, mref = self._read_manifest(req_id, None)
+        return {"req_id": req_id, "pages": [mref.to_json(), *manifest["pages"]], "bytes": 0}
+
+    def _read_manifest(self, req_id: str, artifacts: list[dict] | None) -> tuple[dict, PageRef]:
+        key = manifest_key(req_id)
+        wanted: str | PageRef = key
+        for item in artifacts or []:
+            if isinstance(item, dict) and item.get("key") == key:
+                wanted = PageRef.from_json(item)
+        (page,) = self.rt.pages().get_pages([wanted], cache=self.worker)
+        if page is None:
+            raise errors.NotFound(
+                f"no published KV cache for request {req_id!r} (expired, or its shard home "
+                "died): publish it again or recompute"
+            )
+        manifest = json.loads(bytes(page.data))
+        mref = wanted if isinstance(wanted, PageRef) else PageRef(key, 0, 0, "", "U8", (), 0)
+        return manifest, mref
+
+    def op_hydrate(self, req_id: str, artifacts: list[dict] | None = None) -> dict:
+        from tensorcast.adaptors import KVExport
+
+        manifest, _ = self._read_manifest(req_id, artifacts)
+        refs = [PageRef.from_json(p) for p in manifest["pages"]]
+        found = self.rt.pages().get_pages(refs, cache=self.worker)
+        missing = [r.key for r, p in zip(refs, found) if p is None]
+        if missing:
+            raise errors.NotFound(
+                f"{len(missing)} KV pages of {req_id!r} are gone (first: {missing[0]}): "
+                "their lease expired or their shard home died; publish again or recompute"
+            )
+        tensors = {}
+        for spec, page in zip(manifest["pages"], found):
+            assert page is not None
+            if page.dtype != spec["dtype"] or list(page.shape) != list(spec["shape"]):
+                raise errors.IntegrityError(f"page {spec['key']} does not match its manifest")
+            tensors[spec["name"]] = page.tensor()
+        self.adaptor.import_kv(req_id, KVExport(tensors, manifest["meta"]))
+        return {"req_id": req_id, "pages": len(refs), "bytes": sum(r.size_bytes for r in refs)}
+
+    def op_evict(self, req_id: str) -> dict:
+        self.published.pop(req_id, None)
+        return {"req_id": req_id, "evicted": self.adaptor.evict(req_id), "bytes": 0}
+
+    def op_transform_into(self, artifact: str, spec: dict | None = None) -> dict:
+        art = self.rt.artifact(artifact)
+        filled = art.transform_into(self.adaptor.buffers(), spec or None, strict=False)
+        return {"artifact": artifact, "filled": len(filled), "bytes": art.size_bytes}

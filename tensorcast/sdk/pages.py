@@ -1,0 +1,315 @@
+"""KV pages: batch `put_pages` / `get_pages` / `exists_pages` straight to the shard homes.
+
+The client caches the shard lease table (one request, refreshed only when a home answers with a
+FencingError or is unreachable), so page traffic never touches the Global Store. A home on this
+host is reached through its Unix socket and shared memory (one round trip per batch, bytes copied
+in place); a remote one through gRPC. Every page is checked end to end by its hash.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tensorcast import errors
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.rpc.convert import shard_table_from_pb
+from tensorcast.sharding import shard_of
+from tensorcast.transport import native
+from tensorcast.types import ShardLease, ShardTable
+
+if TYPE_CHECKING:
+    import torch
+
+    from tensorcast.sdk.runtime import Runtime
+
+PageValue = Any  # a CPU torch.Tensor or a bytes-like object
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """Where a stored page lives and what it must hash to."""
+
+    key: str
+    shard: int
+    token: int
+    hash: str
+    dtype: str
+    shape: tuple[int, ...]
+    size_bytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key,
+            "shard": self.shard,
+            "token": self.token,
+            "hash": self.hash,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "size_bytes": self.size_bytes,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> PageRef:
+        return PageRef(
+            str(d["key"]),
+            int(d["shard"]),
+            int(d["token"]),
+            str(d["hash"]),
+            str(d["dtype"]),
+            tuple(int(x) for x in d["shape"]),
+            int(d["size_bytes"]),
+        )
+
+
+@dataclass(frozen=True)
+class PageData:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | bytearray
+
+    def tensor(self) -> torch.Tensor:
+        import torch
+
+        from tensorcast.tensors import TORCH_DTYPES
+
+        dtype = TORCH_DTYPES[self.dtype]
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(self.data, dtype=dtype).reshape(self.shape)
+
+
+def _encode(value: PageValue) -> tuple[str, tuple[int, ...], memoryview]:
+    if hasattr(value, "dtype") and hasattr(value, "shape") and hasattr(value, "is_contiguous"):
+        from tensorcast import tensors as tmod
+
+        tmod.check_tensors({"page": value})
+        view = tmod.tensor_bytes(value).data
+        return tmod.dtype_name(value.dtype), tuple(value.shape), view
+    view = memoryview(value).cast("B")
+    return "U8", (view.nbytes,), view
+
+
+class Pages:
+    def __init__(self, rt: Runtime, fetch_table: Callable[[], pb.ShardTable] | None = None) -> None:
+        self.rt = rt
+        self._fetch = fetch_table or (lambda: rt.store.call("ListShards", pb.Empty()))
+        self._table: ShardTable | None = None
+        self._lock = threading.Lock()
+        self.table_fetches = 0  # lease table requests made so far (the only metadata traffic)
+
+    def table(self, refresh: bool = False) -> ShardTable:
+        with self._lock:
+            if self._table is None or refresh:
+                self._table = shard_table_from_pb(self._fetch())
+                self.table_fetches += 1
+            return self._table
+
+    def _home(self, shard: int, table: ShardTable) -> ShardLease:
+        lease = table.lease(shard)
+        if not lease.held:
+            raise errors.Unavailable(
+                f"shard {shard} has no home right now (its home left or died; another "
+                f"shard-home worker takes it within {table.lease_ttl_s:.0f} s)"
+            )
+        return lease
+
+    def _each_home(self, keys: Sequence[str], fn: Callable[[ShardLease, list[int]], None]) -> None:
+        """Run `fn(home lease, indexes of keys)` once per shard home. Groups that fail with a
+        fencing error or an unreachable home are retried once with a fresh lease table."""
+        pending = list(range(len(keys)))
+        error: errors.TensorcastError | None = None
+        for attempt in range(2):
+            table = self.table(refresh=attempt > 0)
+            groups: dict[str, list[int]] = {}
+            leases: dict[str, ShardLease] = {}
+            for i in pending:
+                lease = self._home(shard_of(keys[i], table.num_shards), table)
+                groups.setdefault(lease.holder_worker_id, []).append(i)
+                leases[lease.holder_worker_id] = lease
+            failed: list[int] = []
+            for home, indexes in groups.items():
+                try:
+                    fn(leases[home], indexes)
+                except (errors.FencingError, errors.Unavailable) as e:
+                    failed += indexes
+                    error = e
+            if not failed:
+                return
+            pending = failed
+        assert error is not None
+        raise error
+
+    def _token(self, key: str) -> tuple[int, int]:
+        table = self.table()
+        shard = shard_of(key, table.num_shards)
+        return shard, table.lease(shard).token
+
+    def _local(self, lease: ShardLease):  # LocalConnection | None
+        if lease.holder_host_id != self.rt.host_id or not lease.holder_local_socket:
+            return None
+        return self.rt.local_connection_to(lease.holder_worker_id, lease.holder_local_socket)
+
+    # -- the batch API -------------------------------------------------------------------------
+
+    def put_pages(self, pages: Mapping[str, PageValue], ttl_s: float = 600.0) -> list[PageRef]:
+        """Store pages under their keys for `ttl_s` (a page put again is replaced)."""
+        keys = list(pages)
+        encoded = [_encode(pages[k]) for k in keys]
+        hashes = native.hash_buffers([e[2] for e in encoded])
+        refs: list[PageRef | None] = [None] * len(keys)
+
+        def put(lease: ShardLease, indexes: list[int]) -> None:
+            table = self.table()
+            for i in indexes:
+                shard = shard_of(keys[i], table.num_shards)
+                dtype, shape, view = encoded[i]
+                refs[i] = PageRef(
+                    keys[i], shard, table.lease(shard).token, hashes[i], dtype, shape, view.nbytes
+                )
+            group = [refs[i] for i in indexes]
+            conn = self._local(lease)
+            if conn is not None:
+                self._put_local(conn, group, [encoded[i][2] for i in indexes], ttl_s)
+            else:
+                self._stub(lease).call(
+                    "PutPages",
+                    pb.PutPagesRequest(
+                        pages=[
+                            pb.Page(
+                                key=r.key,
+                                shard=r.shard,
+                                token=r.token,
+                                dtype=r.dtype,
+                                shape=list(r.shape),
+                                data=bytes(encoded[i][2]),
+                                hash=r.hash,
+                            )
+                            for r, i in zip(group, indexes)
+                            if r is not None
+                        ],
+                        ttl_s=ttl_s,
+                    ),
+                )
+
+        self._each_home(keys, put)
+        return [r for r in refs if r is not None]
+
+    def _put_local(self, conn: Any, refs: list, views: list[memoryview], ttl_s: float) -> None:
+        offsets = conn.request({"op": "page_alloc", "sizes": [v.nbytes for v in views]})["offsets"]
+        arena = conn.arena()
+        for view, offset in zip(views, offsets):
+            if view.nbytes >= 1 << 20:
+                native.copy_into(arena, offset, view)
+            else:
+                arena[offset : offset + view.nbytes] = view
+        conn.request(
+            {
+                "op": "page_commit",
+                "ttl_s": ttl_s,
+                "pages": [dict(r.to_json(), offset=off) for r, off in zip(refs, offsets)],
+            }
+        )
+
+    def get_pages(
+        self, keys: Sequence[str | PageRef], *, cache: Any = None
+    ) -> list[PageData | None]:
+        """Pages by key (None where absent or expired). With `cache` (a local WorkerInfo) and
+        PageRefs, copies that worker holds with the right hash are used first."""
+        names = [k.key if isinstance(k, PageRef) else k for k in keys]
+        out: list[PageData | None] = [None] * len(names)
+        todo = list(range(len(names)))
+        if cache is not None:
+            expected = {i: k.hash for i, k in enumerate(keys) if isinstance(k, PageRef)}
+            conn = self.rt.local_connection_to(cache.worker_id, cache.local_socket)
+            found = self._get_local(conn, [(names[i], 0, 0) for i in todo])
+            for i, page in zip(todo, found):
+                if page is not None and (
+                    i not in expected
+                    or (page.data and (native.hash_buffer(page.data) == expected[i]))
+                ):
+                    out[i] = page
+            todo = [i for i in todo if out[i] is None]
+        if not todo:
+            return out
+
+        def get(lease: ShardLease, indexes: list[int]) -> None:
+            wanted = [(names[i], *self._token(names[i])) for i in indexes]
+            conn = self._local(lease)
+            if conn is not None:
+                pages = self._get_local(conn, wanted)
+            else:
+                reply = self._stub(lease).call(
+                    "GetPages",
+                    pb.PageKeys(keys=[pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted]),
+                )
+                pages = [_from_pb(p) for p in reply.pages]
+            for i, page in zip(indexes, pages):
+                out[i] = page
+
+        sub = [names[i] for i in todo]
+
+        def get_sub(lease: ShardLease, ix: list[int]) -> None:
+            get(lease, [todo[j] for j in ix])
+
+        self._each_home(sub, get_sub)
+        return out
+
+    @staticmethod
+    def _get_local(conn: Any, wanted: list[tuple[str, int, int]]) -> list[PageData | None]:
+        reply = conn.request({"op": "page_get", "keys": wanted})
+        arena = conn.arena()
+        pages: list[PageData | None] = []
+        for info in reply["pages"]:
+            if info is None:
+                pages.append(None)
+                continue
+            off, size = info["offset"], info["size_bytes"]
+            pages.append(
+                PageData(
+                    info["key"],
+                    info["dtype"],
+                    tuple(info["shape"]),
+                    bytearray(arena[off : off + size]),
+                )
+            )
+        present = [(i, p) for i, p in enumerate(pages) if p is not None]
+        hashes = native.hash_buffers([p.data for _, p in present]) if present else []
+        for (i, _), h, info in zip(present, hashes, [reply["pages"][i] for i, _ in present]):
+            if h != info["hash"]:
+                pages[i] = None  # evicted and reused while we copied: absent, never wrong
+        return pages
+
+    def exists_pages(self, keys: Sequence[str]) -> list[bool]:
+        out = [False] * len(keys)
+
+        def exists(lease: ShardLease, indexes: list[int]) -> None:
+            wanted = [(keys[i], *self._token(keys[i])) for i in indexes]
+            conn = self._local(lease)
+            if conn is not None:
+                flags = conn.request({"op": "page_exists", "keys": wanted})["exists"]
+            else:
+                reply = self._stub(lease).call(
+                    "ExistsPages",
+                    pb.PageKeys(keys=[pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted]),
+                )
+                flags = list(reply.exists)
+            for i, flag in zip(indexes, flags):
+                out[i] = bool(flag)
+
+        self._each_home(list(keys), exists)
+        return out
+
+    def _stub(self, lease: ShardLease):
+        return self.rt.worker_stub_at(lease.holder_worker_id, lease.holder_addr)
+
+
+def _from_pb(p: pb.Page) -> PageData | None:
+    if not p.key:
+        return None
+    if native.hash_buffer(p.data) != p.hash:
+        raise errors.IntegrityError(f"page {p.key!r} arrived damaged (hash mismatch)")
+    return PageData(p.key, p.dtype, tuple(p.shape), bytearray(p.data))

@@ -1,0 +1,75 @@
+"""The worker's cached KV shard lease table, refreshed by every heartbeat.
+
+Page operations check leases here and never ask the Global Store. A home stops serving a shard
+when its own view of the lease runs out, before the store can hand it to someone else: the
+local deadline is taken from when the heartbeat was *sent*, so it errs early.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tensorcast.errors import FencingError
+from tensorcast.sharding import LEASE_CANDIDATES, hrw_rank
+from tensorcast.types import ShardTable
+
+
+class LeaseCache:
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.table: ShardTable | None = None
+        self._held: dict[int, tuple[int, float]] = {}  # shard -> (token, local deadline)
+        self._lock = threading.Lock()
+
+    def update(self, table: ShardTable, sent_at: float) -> set[int]:
+        """Take a fresh table (from a reply to a request sent at monotonic `sent_at`).
+
+        Returns the shards this worker no longer holds (their pages must go).
+        """
+        with self._lock:
+            before = set(self._held)
+            self.table = table
+            self._held = {
+                lease.shard: (lease.token, sent_at + lease.expires_in_s)
+                for lease in table.leases
+                if lease.held and lease.holder_worker_id == self.worker_id
+            }
+            return before - set(self._held)
+
+    def held(self) -> dict[int, int]:
+        """shard -> token, for the leases this worker holds and still trusts."""
+        now = time.monotonic()
+        with self._lock:
+            return {s: tok for s, (tok, deadline) in self._held.items() if deadline > now}
+
+    def check(self, shard: int, token: int) -> None:
+        """Raise FencingError unless this worker homes `shard` under exactly `token`."""
+        with self._lock:
+            entry = self._held.get(shard)
+        if entry is None or entry[1] <= time.monotonic():
+            raise FencingError(
+                f"worker {self.worker_id} is not the home of shard {shard} (any more): "
+                "refresh the lease table"
+            )
+        if entry[0] != token:
+            raise FencingError(
+                f"stale fencing token {token} for shard {shard}: the current token is {entry[0]}"
+            )
+
+    def to_acquire(self, interval_s: float) -> list[int]:
+        """Free shards this worker should bid for: it ranks in the top k of live homes, and the
+        better-ranked candidates had `rank` heartbeat intervals to take the shard first."""
+        with self._lock:
+            table = self.table
+        if table is None or self.worker_id not in table.live_homes:
+            return []
+        wanted = []
+        for lease in table.leases:
+            if lease.held:
+                continue
+            rank = hrw_rank(lease.shard, table.live_homes).index(self.worker_id)
+            free_for_s = -lease.expires_in_s
+            if rank < LEASE_CANDIDATES and free_for_s >= rank * interval_s:
+                wanted.append(lease.shard)
+        return wanted

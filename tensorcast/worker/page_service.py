@@ -1,0 +1,123 @@
+"""KV page operations on a worker, for remote callers (gRPC) and same-host ones (local socket).
+
+Every operation on a homed page carries its shard's fencing token, checked against this worker's
+cached lease: a stale token or a shard homed elsewhere is a FencingError, and nothing changes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tensorcast import errors
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.transport import native
+from tensorcast.worker.node import WorkerNode
+from tensorcast.worker.pages import Page, PageWrite
+
+
+def page_to_pb(page: Page, data: bytes = b"") -> pb.Page:
+    return pb.Page(
+        key=page.key,
+        shard=page.shard,
+        token=page.token,
+        dtype=page.dtype,
+        shape=list(page.shape),
+        data=data,
+        hash=page.hash_hex,
+    )
+
+
+class PageService:
+    def __init__(self, node: WorkerNode) -> None:
+        self.node = node
+        self.store = node.pages
+
+    def _check(self, shard_tokens: set[tuple[int, int]]) -> None:
+        for shard, token in shard_tokens:
+            self.node.leases.check(shard, token)
+
+    # -- homed pages ---------------------------------------------------------------------------
+
+    def put(self, pages: list[pb.Page], ttl_s: float) -> None:
+        self._check({(p.shard, p.token) for p in pages})
+        if sum(len(p.data) for p in pages) > self.node.pool.capacity_bytes:
+            raise errors.ResourceExhausted("the batch is larger than this worker's pool")
+        for p in pages:
+            if native.hash_buffer(p.data) != p.hash:
+                raise errors.IntegrityError(f"page {p.key!r} failed its checksum; nothing stored")
+        self.store.put([(_write(p, len(p.data)), p.data) for p in pages], ttl_s, home=True)
+
+    def commit_local(self, writes: list[PageWrite], ttl_s: float) -> None:
+        try:
+            self._check({(w.shard, w.token) for w in writes})
+        except BaseException:
+            self.store.free([w.offset for w in writes])
+            raise
+        self.store.commit(writes, ttl_s, home=True)
+
+    def lookup(self, keys: list[tuple[str, int, int]]) -> list[Page | None]:
+        self._check({(shard, token) for _, shard, token in keys if token})
+        return self.store.lookup(keys)
+
+    def get(self, keys: list[tuple[str, int, int]]) -> list[pb.Page]:
+        found = []
+        for page in self.lookup(keys):
+            if page is None:
+                found.append(pb.Page())
+                continue
+            try:
+                found.append(page_to_pb(page, self.store.read(page)))
+            except errors.IntegrityError:
+                found.append(pb.Page())  # evicted while read: absent, never wrong
+        return found
+
+    # -- copies of pages homed elsewhere -------------------------------------------------------
+
+    def prefetch(self, refs: list[dict], timeout_s: float, ttl_s: float) -> int:
+        """Copy pages from their homes into this worker's cache; returns the bytes moved."""
+        deadline = time.monotonic() + timeout_s
+        table = self.node.leases.table
+        if refs and table is None:
+            raise errors.Unavailable("this worker has no shard lease table yet")
+        missing = [
+            r
+            for r, page in zip(refs, self.store.lookup([(r["key"], 0, 0) for r in refs]))
+            if page is None or page.hash_hex != r.get("hash")
+        ]
+        by_home: dict[str, list[dict]] = {}
+        for ref in missing:
+            lease = table.lease(int(ref["shard"])) if table else None
+            if lease is None or not lease.held:
+                raise errors.Unavailable(f"shard {ref['shard']} has no home right now")
+            if lease.holder_worker_id != self.node.worker_id:
+                by_home.setdefault(lease.holder_worker_id, []).append(ref)
+        moved = 0
+        for home_id, group in by_home.items():
+            lease = table.lease(int(group[0]["shard"]))  # type: ignore[union-attr]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded("prefetch of pages ran out of time")
+            reply = self.node.peer(home_id, lease.holder_addr).call(
+                "GetPages",
+                pb.PageKeys(
+                    keys=[
+                        pb.PageKey(key=r["key"], shard=int(r["shard"]), token=int(r["token"]))
+                        for r in group
+                    ]
+                ),
+                timeout_s=remaining,
+            )
+            got = []
+            for ref, page in zip(group, reply.pages):
+                if not page.key:
+                    raise errors.NotFound(f"page {ref['key']!r} is gone from its home")
+                if page.hash != ref.get("hash") or native.hash_buffer(page.data) != page.hash:
+                    raise errors.IntegrityError(f"page {ref['key']!r} does not match its hash")
+                got.append((_write(page, len(page.data)), page.data))
+                moved += len(page.data)
+            self.store.put(got, ttl_s, home=False)
+        return moved
+
+
+def _write(p: pb.Page, size: int) -> PageWrite:
+    return PageWrite(p.key, p.shard, p.token, p.dtype, tuple(p.shape), 0, size, p.hash)

@@ -1,0 +1,336 @@
+"""Plan execution (DESIGN §4): every worker runs steps aimed at itself or at its instances
+(`StepRunner`); a gateway worker runs whole plans (`PlanExecutor`): resolves targets, orders
+the steps, dispatches them `concurrency` at a time, retries retryable failures with backoff
+inside the deadline, and records the result under the idempotency key in the Global Store.
+Plans are not transactions: finished steps stay done, and a re-run under the same key reuses
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from tensorcast import errors
+from tensorcast import plan as planlib
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.rpc.convert import (
+    artifact_from_pb,
+    instance_from_pb,
+    plan_from_pb,
+    plan_to_pb,
+    worker_from_pb,
+)
+from tensorcast.types import PlanRecord
+from tensorcast.worker.node import WorkerNode
+from tensorcast.worker.page_service import PageService
+from tensorcast.worker.transfers import Transfers
+
+log = logging.getLogger("tensorcast.plan")
+
+MAX_ATTEMPTS = 4
+BACKOFF_S = 0.05
+WAIT_POLL_S = 0.1
+
+
+class StepRunner:
+    """Runs one step here: a worker operation, or an instance operation through its stream."""
+
+    def __init__(self, node: WorkerNode, transfers: Transfers, pages: PageService) -> None:
+        self.node = node
+        self.transfers = transfers
+        self.pages = pages
+
+    def run(self, step: dict, timeout_s: float, trace_id: str) -> dict:
+        started = time.monotonic()
+        op, args, target = step["op"], step.get("args", {}), step["target"]
+        log.info("trace=%s step=%s op=%s target=%s start", trace_id, step["id"], op, target["id"])
+        try:
+            if target["kind"] == "instance":
+                result = self.node.instances.call(target["id"], op, args, timeout_s, trace_id)
+            else:
+                result = getattr(self, f"_{op}")(args, timeout_s)
+        except errors.TensorcastError as e:
+            log.info(
+                "trace=%s step=%s op=%s failed after %.3f s: %s: %s",
+                trace_id,
+                step["id"],
+                op,
+                time.monotonic() - started,
+                type(e).__name__,
+                e,
+            )
+            raise
+        log.info(
+            "trace=%s step=%s op=%s ok in %.3f s, %d bytes",
+            trace_id,
+            step["id"],
+            op,
+            time.monotonic() - started,
+            result.get("bytes", 0),
+        )
+        return result
+
+    def _content_of(self, art_id: str) -> str:
+        reply = self.node.store.call("GetArtifact", pb.ArtifactRequest(art_id=art_id))
+        return artifact_from_pb(reply).content_id
+
+    def _prefetch(self, args: dict, timeout_s: float) -> dict:
+        art_id = args["artifact"]
+        if args.get("device", "cpu") != "cpu":
+            raise errors.InvalidArgument("this worker has only the cpu tier")
+        r = self.transfers.prefetch(
+            self._content_of(art_id), timeout_s, int(args.get("streams", 0))
+        )
+        return {
+            "artifact": art_id,
+            "bytes": r.bytes_moved,
+            "already_present": r.already_present,
+            "source_worker_id": r.source_worker_id,
+        }
+
+    def _prefetch_many(self, args: dict, timeout_s: float) -> dict:
+        """Artifacts by id, KV pages by reference (dicts with a key): pages are copied from
+        their shard homes into this worker's page cache, where hydrate finds them."""
+        deadline = time.monotonic() + timeout_s
+        items = args["artifacts"]
+        if not isinstance(items, list):
+            raise errors.InvalidArgument("prefetch_many takes a list of artifacts or pages")
+        page_refs = [a for a in items if isinstance(a, dict)]
+        moved = self.pages.prefetch(page_refs, timeout_s, float(args.get("ttl_s", 600.0)))
+        results = []
+        for art_id in (a for a in items if not isinstance(a, dict)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded("prefetch_many ran out of time")
+            results.append(self._prefetch({"artifact": art_id}, remaining))
+        return {
+            "artifacts": results,
+            "pages": len(page_refs),
+            "bytes": moved + sum(r["bytes"] for r in results),
+        }
+
+    def _pin(self, args: dict, timeout_s: float) -> dict:
+        return self._set_pin(args, True)
+
+    def _unpin(self, args: dict, timeout_s: float) -> dict:
+        return self._set_pin(args, False)
+
+    def _set_pin(self, args: dict, pinned: bool) -> dict:
+        self.node.pool.set_pinned(self._content_of(args["artifact"]), pinned)
+        self.node.heartbeat_once()
+        return {"artifact": args["artifact"], "pinned": pinned, "bytes": 0}
+
+
+class PlanExecutor:
+    """The gateway side: one call of `run` executes one plan to its end or its deadline."""
+
+    def __init__(self, node: WorkerNode, runner: StepRunner) -> None:
+        self.node = node
+        self.runner = runner
+
+    def run(self, plan: dict) -> dict:
+        planlib.validate(plan)
+        started = time.monotonic()
+        deadline = started + plan["deadline_ms"] / 1000
+        trace_id = str(plan.get("trace_id") or "")
+        if not trace_id:
+            raise errors.InvalidArgument("a plan needs a trace_id")
+        key = str(plan.get("idempotency_key") or f"trace:{trace_id}")
+        routes = self._routes(plan["steps"])
+        record = PlanRecord(
+            key, trace_id, "running", {}, 0.0, deadline_at=time.time() + (deadline - started)
+        )
+        begun = self.node.store.call("BeginPlan", plan_to_pb(record))
+        previous = plan_from_pb(begun.existing) if begun.HasField("existing") else None
+        if not begun.started:
+            assert previous is not None
+            return self._await_recorded(previous, deadline)
+        reused = _finished_steps(previous, plan["steps"])
+        log.info(
+            "trace=%s plan %s: %d steps, concurrency %d, deadline %d ms, %d reused",
+            trace_id,
+            key,
+            len(plan["steps"]),
+            plan.get("concurrency", 1),
+            plan["deadline_ms"],
+            len(reused),
+        )
+        result = self._execute(plan, routes, deadline, trace_id, reused)
+        result.update(
+            trace_id=trace_id,
+            idempotency_key=key,
+            duration_s=round(time.monotonic() - started, 4),
+            replayed=False,
+            gateway=self.node.name,
+        )
+        self.node.store.call(
+            "FinishPlan",
+            plan_to_pb(PlanRecord(key, trace_id, result["status"], result, 0.0)),
+        )
+        return result
+
+    def _routes(self, steps: list[dict]) -> dict[int, tuple[str, str, str]]:
+        """Step id -> (worker id, worker addr, worker name) that runs it; unknown or dead
+        targets are rejected before anything runs."""
+        workers = [
+            worker_from_pb(w) for w in self.node.store.call("ListWorkers", pb.Empty()).workers
+        ]
+        instances = None
+        routes = {}
+        for step in steps:
+            kind, target = step["target"]["kind"], step["target"]["id"]
+            if kind == "instance":
+                if instances is None:
+                    reply = self.node.store.call("ListInstances", pb.Empty())
+                    instances = [instance_from_pb(i) for i in reply.instances]
+                inst = next((i for i in instances if i.instance_id == target), None)
+                if inst is None:
+                    raise errors.InvalidArgument(f"step {step['id']}: no instance {target!r}")
+                if not inst.alive:
+                    raise errors.Unavailable(f"step {step['id']}: instance {target!r} is not alive")
+                target = inst.worker_id
+            worker = next((w for w in workers if target in (w.worker_id, w.name)), None)
+            if worker is None:
+                raise errors.InvalidArgument(f"step {step['id']}: no worker {target!r}")
+            if not worker.alive:
+                raise errors.Unavailable(f"step {step['id']}: worker {worker.name} is dead")
+            routes[step["id"]] = (worker.worker_id, worker.addr, worker.name)
+        return routes
+
+    def _await_recorded(self, record: PlanRecord, deadline: float) -> dict:
+        """The key ran (or runs) elsewhere: return its recorded result, never run it twice."""
+        while record.status == "running":
+            if time.monotonic() >= deadline:
+                raise errors.DeadlineExceeded(
+                    f"plan {record.idempotency_key!r} is still running (trace {record.trace_id})"
+                )
+            time.sleep(WAIT_POLL_S)
+            record = plan_from_pb(self.node.store.call("GetPlan", plan_to_pb(record)))
+        return dict(record.result, replayed=True)
+
+    def _execute(
+        self,
+        plan: dict,
+        routes: dict[int, tuple[str, str, str]],
+        deadline: float,
+        trace_id: str,
+        reused: dict[int, dict],
+    ) -> dict:
+        steps = {s["id"]: s for s in plan["steps"]}
+        deps = {i: planlib.dependencies(s) for i, s in steps.items()}
+        traces: dict[int, dict] = {}
+        results: dict[int, dict] = {}
+        for i, trace in reused.items():
+            traces[i] = dict(trace, status="reused")
+            results[i] = trace["result"]
+        failure: dict[str, Any] | None = None
+        running: dict[Future, int] = {}
+        with ThreadPoolExecutor(max_workers=plan.get("concurrency", 1)) as pool:
+            while True:
+                if failure is None:
+                    ready = [
+                        i
+                        for i in planlib.order(list(steps.values()))
+                        if i not in traces and i not in running.values() and deps[i] <= set(results)
+                    ]
+                    for i in ready[: plan.get("concurrency", 1) - len(running)]:
+                        args = planlib.resolve(steps[i].get("args", {}), results)
+                        step = dict(steps[i], args=args)
+                        fut = pool.submit(self._run_step, step, routes[i], deadline, trace_id)
+                        running[fut] = i
+                if not running:
+                    break
+                done, _ = wait(
+                    list(running),
+                    timeout=max(0.0, deadline - time.monotonic()) + 1,
+                    return_when=FIRST_COMPLETED,
+                )
+                for fut in done:
+                    i = running.pop(fut)
+                    trace = fut.result()
+                    traces[i] = trace
+                    if trace["status"] == "ok":
+                        results[i] = trace["result"]
+                    elif failure is None:
+                        failure = {"step": i, **trace["error"]}
+        ordered = []
+        for i in sorted(steps):
+            trace = traces.get(i) or {
+                "id": i,
+                "op": steps[i]["op"],
+                "target": steps[i]["target"],
+                "status": "skipped",
+            }
+            ordered.append(trace)
+        return {"status": "failed" if failure else "ok", "error": failure, "steps": ordered}
+
+    def _run_step(
+        self, step: dict, route: tuple[str, str, str], deadline: float, trace_id: str
+    ) -> dict:
+        worker_id, addr, name = route
+        started = time.monotonic()
+        retries = 0
+        trace: dict[str, Any] = {
+            "id": step["id"],
+            "op": step["op"],
+            "target": step["target"],
+            "worker": name,
+        }
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise errors.DeadlineExceeded(
+                        f"step {step['id']} ({step['op']}) did not finish before the plan deadline"
+                    )
+                result = self._dispatch(step, worker_id, addr, name, remaining, trace_id)
+                trace.update(status="ok", result=result, bytes=int(result.get("bytes", 0)))
+                break
+            except errors.TensorcastError as e:
+                pause = BACKOFF_S * 2**retries
+                retryable = e.retryable and not isinstance(e, errors.DeadlineExceeded)
+                if (
+                    retryable
+                    and retries + 1 < MAX_ATTEMPTS
+                    and (time.monotonic() + pause < deadline)
+                ):
+                    retries += 1
+                    time.sleep(pause)
+                    continue
+                trace.update(status="failed", error={"kind": type(e).__name__, "message": str(e)})
+                break
+        trace.update(duration_s=round(time.monotonic() - started, 4), retries=retries)
+        return trace
+
+    def _dispatch(
+        self, step: dict, worker_id: str, addr: str, name: str, timeout_s: float, trace_id: str
+    ) -> dict:
+        if worker_id == self.node.worker_id:
+            return self.runner.run(step, timeout_s, trace_id)
+        reply = self.node.peer(worker_id, addr, name).call(
+            "RunStep",
+            pb.StepRequest(
+                trace_id=trace_id,
+                step_json=json.dumps(step),
+                timeout_ms=max(1, int(timeout_s * 1000)),
+            ),
+            timeout_s=timeout_s + 0.5,
+        )
+        return json.loads(reply.result_json)
+
+
+def _finished_steps(previous: PlanRecord | None, steps: list[dict]) -> dict[int, dict]:
+    """Steps a failed earlier run under the same key finished, if the plan is the same."""
+    if previous is None or previous.status != "failed":
+        return {}
+    old = previous.result.get("steps", [])
+    same = len(old) == len(steps) and all(
+        o.get("op") == s["op"] and o.get("target") == s["target"] for o, s in zip(old, steps)
+    )
+    if not same:
+        return {}
+    return {o["id"]: o for o in old if o.get("status") in ("ok", "reused") and "result" in o}

@@ -1,0 +1,199 @@
+"""KV pages in sharded homes on real worker processes: batch put/get/exists through shared
+memory and through gRPC, TTL and LRU eviction, fencing, and a shard home killed with -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import start_cluster, wait_until
+
+import tensorcast as tc
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.sharding import shard_of
+from tensorcast.transport import native
+
+
+@pytest.fixture
+def two_homes(tmp_path):
+    yield from start_cluster(tmp_path / "state", workers=2, mem="64MiB")
+
+
+def _pages(n: int, numel: int = 1024, tag: float = 0.0) -> dict[str, torch.Tensor]:
+    return {
+        f"kv/test/{tag}/{i}": torch.arange(numel, dtype=torch.float32) + i + tag for i in range(n)
+    }
+
+
+def _remote(rt: tc.Runtime) -> tc.Runtime:
+    """Pretend to be on another host: every page operation goes through gRPC."""
+    rt.host_id = "another-host"
+    return rt
+
+
+@pytest.mark.parametrize("path", ["shared-memory", "grpc"])
+def test_batch_put_get_exists_round_trip(cluster, path):
+    with cluster.connect() as rt:
+        if path == "grpc":
+            _remote(rt)
+        pages = rt.pages()
+        data = _pages(40, tag=1.0 if path == "grpc" else 2.0)
+        data["kv/test/bytes-" + path] = bytearray(b"\x01\x02\x03" * 1000)
+        refs = pages.put_pages(data, ttl_s=60)
+        assert [r.key for r in refs] == list(data)
+        keys = [*data, "kv/test/absent"]
+        got = pages.get_pages(keys)
+        assert got[-1] is None
+        for key, page in zip(data, got):
+            expected = data[key]
+            if isinstance(expected, torch.Tensor):
+                assert torch.equal(page.tensor(), expected)
+            else:
+                assert bytes(page.data) == bytes(expected)
+        assert pages.exists_pages(keys) == [True] * len(data) + [False]
+        assert pages.table_fetches == 1  # every operation above used the cached lease table
+
+
+def test_page_operations_never_ask_the_global_store(cluster):
+    def store_calls() -> dict[str, float]:
+        metrics_addr = next(p for p in cluster.record.processes if p.role == "store").metrics_addr
+        text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
+        counts = {}
+        for line in text.splitlines():
+            if line.startswith("tc_rpc_duration_seconds_count"):
+                method = line.split('method="')[1].split('"')[0]
+                counts[method] = float(line.rsplit(" ", 1)[1])
+        return counts
+
+    with cluster.connect() as rt:
+        pages = rt.pages()
+        pages.table()
+        before = store_calls()
+        for round_ in range(20):
+            batch = _pages(50, numel=256, tag=100.0 + round_)
+            pages.put_pages(batch, ttl_s=60)
+            assert all(p is not None for p in pages.get_pages(list(batch)))
+            pages.exists_pages(list(batch))
+        after = store_calls()
+    changed = {m for m in after if after[m] != before.get(m)}
+    # 3000 page operations: only the workers' heartbeats (and their lease bids) reached the store.
+    assert changed <= {"Heartbeat", "AcquireShards"}, changed
+
+
+def test_ttl_expiry_and_lru_eviction_when_the_pool_is_full(fresh_cluster):
+    with fresh_cluster.connect() as rt:
+        pages = rt.pages()
+        pages.put_pages({"kv/short": torch.ones(16)}, ttl_s=0.5)
+        time.sleep(0.8)
+        assert pages.get_pages(["kv/short"]) == [None]
+        assert pages.exists_pages(["kv/short"]) == [False]
+        # 64 MiB pool, 96 pages of 1 MiB: the oldest pages make room for the newest.
+        for i in range(96):
+            pages.put_pages({f"kv/big/{i}": torch.full((256 * 1024,), float(i))}, ttl_s=600)
+        present = pages.exists_pages([f"kv/big/{i}" for i in range(96)])
+        assert present[-10:] == [True] * 10 and not all(present[:10])
+        newest = pages.get_pages(["kv/big/95"])[0]
+        assert torch.equal(newest.tensor(), torch.full((256 * 1024,), 95.0))
+
+
+def test_bad_pages_are_rejected_and_change_nothing(cluster):
+    with cluster.connect() as rt:
+        pages = _remote(rt).pages()
+        pages.put_pages({"kv/keep": torch.ones(8)}, ttl_s=60)
+        table = pages.table()
+        shard = shard_of("kv/keep", table.num_shards)
+        lease = table.lease(shard)
+        stub = rt.worker_stub_at(lease.holder_worker_id, lease.holder_addr)
+        data = torch.zeros(8).numpy().tobytes()
+
+        def put(**overrides):
+            page = dict(
+                key="kv/keep",
+                shard=shard,
+                token=lease.token,
+                dtype="F32",
+                shape=[8],
+                data=data,
+                hash=native.hash_buffer(data),
+            )
+            page.update(overrides)
+            stub.call("PutPages", pb.PutPagesRequest(pages=[pb.Page(**page)], ttl_s=60))
+
+        with pytest.raises(tc.IntegrityError):
+            put(hash="0" * 32)
+        with pytest.raises(tc.FencingError, match="stale fencing token"):
+            put(token=lease.token + 1)
+        with pytest.raises(tc.InvalidArgument, match="do not match"):
+            put(shape=[9])
+        with pytest.raises(tc.InvalidArgument):
+            pages.put_pages({"k" * 600: torch.ones(1)})
+        assert torch.equal(pages.get_pages(["kv/keep"])[0].tensor(), torch.ones(8))
+
+
+def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_homes):
+    with two_homes.connect() as rt:
+        pages = rt.pages()
+        wait_until(lambda: len(pages.table(refresh=True).live_homes) == 2, 10)
+        data = _pages(64, tag=7.0)
+        pages.put_pages(data, ttl_s=600)
+        table = pages.table()
+        victim_id = table.lease(shard_of(next(iter(data)), table.num_shards)).holder_worker_id
+        victim = next(w for w in rt.workers() if w.worker_id == victim_id)
+        survivor = next(w for w in rt.workers() if w.worker_id != victim_id)
+        lost = {s for s in range(table.num_shards) if table.lease(s).holder_worker_id == victim_id}
+        old_tokens = {s: table.lease(s).token for s in lost}
+        victim_keys = [k for k in data if shard_of(k, table.num_shards) in lost]
+        killed_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+
+        # Until the lease expires the shard has a dead home: a clear error, never wrong bytes.
+        with pytest.raises(tc.Unavailable):
+            pages.get_pages(victim_keys[:1])
+
+        def rehomed():
+            t = pages.table(refresh=True)
+            return (
+                all(
+                    t.lease(s).held and t.lease(s).holder_worker_id == survivor.worker_id
+                    for s in lost
+                )
+                and t
+            )
+
+        new = wait_until(rehomed, 15, interval_s=0.1)
+        elapsed = time.monotonic() - killed_at
+        assert elapsed < new.lease_ttl_s + 3.0, elapsed
+        assert all(new.lease(s).token > old_tokens[s] for s in lost)
+        # The pages died with their home: absent, not wrong; the engine republishes them.
+        assert pages.get_pages(victim_keys) == [None] * len(victim_keys)
+        pages.put_pages({k: data[k] for k in victim_keys}, ttl_s=600)
+        got = pages.get_pages(victim_keys)
+        assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, victim_keys))
+        # A writer still holding the old token is fenced off by the new home.
+        shard = next(iter(lost))
+        stub = rt.worker_stub(survivor)
+        blob = b"\x00" * 4
+        key = next(k for k in victim_keys if shard_of(k, new.num_shards) == shard)
+        with pytest.raises(tc.FencingError, match="stale fencing token"):
+            stub.call(
+                "PutPages",
+                pb.PutPagesRequest(
+                    ttl_s=60,
+                    pages=[
+                        pb.Page(
+                            key=key,
+                            shard=shard,
+                            token=old_tokens[shard],
+                            dtype="U8",
+                            shape=[4],
+                            data=blob,
+                            hash=native.hash_buffer(blob),
+                        )
+                    ],
+                ),
+            )
+        assert torch.equal(pages.get_pages([key])[0].tensor(), data[key])

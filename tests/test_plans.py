@@ -1,0 +1,304 @@
+"""Plans, instances and signals on a real cluster: engine instances in their own processes
+attached to workers, KV caches migrated mid-generation, idempotency keys, deadlines, retries,
+and malformed plans rejected before anything runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+from conftest import wait_until
+
+import tensorcast as tc
+from tensorcast.engine.hf import HFEngine
+from tensorcast.engine.server import engine_request
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.sdk.instance import InstanceRuntime, manifest_key
+
+CONFIG = dict(
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=192,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    initializer_range=0.6,  # large: greedy output does not loop
+)
+PROMPT = [random.Random(7).randrange(128) for _ in range(37)]
+
+
+@pytest.fixture(scope="module")
+def model_id(cluster, tmp_path_factory):
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    directory = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(directory)
+    cluster.tc("put", "kv-llama@v1", str(directory), check=True)
+    return "kv-llama@v1"
+
+
+@pytest.fixture(scope="module")
+def instances(cluster, model_id):
+    """inst-a on worker-1 and inst-b on worker-2, each its own `tc instance start` process."""
+    procs, endpoints = [], {}
+    try:
+        for iid, worker in (("inst-a", "worker-1"), ("inst-b", "worker-2")):
+            ready = cluster.state_dir / f"{iid}.ready"
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tensorcast.cli.main",
+                        "instance",
+                        "start",
+                        "--worker",
+                        worker,
+                        "--model",
+                        model_id,
+                        "--id",
+                        iid,
+                        "--page-tokens",
+                        "8",
+                        "--ready-file",
+                        str(ready),
+                        "--state-dir",
+                        str(cluster.state_dir),
+                    ],
+                    stdout=open(cluster.state_dir / f"{iid}.log", "w"),  # noqa: SIM115
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        for iid, proc in zip(("inst-a", "inst-b"), procs):
+            ready = cluster.state_dir / f"{iid}.ready"
+            wait_until(lambda r=ready, p=proc: r.exists() or p.poll() is not None, 90)
+            assert proc.poll() is None, (cluster.state_dir / f"{iid}.log").read_text()[-3000:]
+            endpoints[iid] = json.loads(ready.read_text())["endpoint"]
+        with cluster.connect() as rt:
+            wait_until(
+                lambda: {i.instance_id for i in rt.instances() if i.alive} >= {"inst-a", "inst-b"},
+                10,
+            )
+        yield endpoints
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def generate(endpoint: str, req_id: str, prompt: list[int] | None, n: int) -> list[int]:
+    body = {"req_id": req_id, "prompt_ids": prompt, "max_new_tokens": n}
+    return engine_request(endpoint, "POST", "/generate", body)["tokens"]
+
+
+def test_migrate_mid_generation_continues_token_identically(cluster, instances):
+    a, b = instances["inst-a"], instances["inst-b"]
+    reference = generate(a, "ref", PROMPT, 24)
+    assert len(set(reference)) > 4  # a degenerate sequence would prove little
+    first = generate(a, "req-1", PROMPT, 10)
+    proc = cluster.tc(
+        "migrate",
+        "req-1",
+        "--from",
+        "inst-a",
+        "--to",
+        "inst-b",
+        "--key",
+        "move-req-1",
+        "--json",
+        check=True,
+    )
+    result = json.loads(proc.stdout)
+    assert [s["op"] for s in result["steps"]] == ["publish", "prefetch_many", "hydrate", "evict"]
+    assert [s["worker"] for s in result["steps"]] == [
+        "worker-1",
+        "worker-2",
+        "worker-2",
+        "worker-1",
+    ]
+    assert result["steps"][1]["bytes"] > 0  # pages copied to inst-b's worker before hydrate
+    rest = generate(b, "req-1", None, 14)
+    assert first + rest == reference
+    with pytest.raises(tc.NotFound):  # evicted from the source
+        generate(a, "req-1", None, 1)
+
+    # The same key again: the recorded result, nothing executed (the source has no req-1 now,
+    # so running publish again would fail).
+    again = json.loads(
+        cluster.tc(
+            "migrate",
+            "req-1",
+            "--from",
+            "inst-a",
+            "--to",
+            "inst-b",
+            "--key",
+            "move-req-1",
+            "--json",
+            check=True,
+        ).stdout
+    )
+    assert again["replayed"] and again["trace_id"] == result["trace_id"]
+    plans = json.loads(cluster.tc("plans", "--json", check=True).stdout)["plans"]
+    assert sum(p["idempotency_key"] == "move-req-1" for p in plans) == 1
+    # Every worker the plan touched logged its steps under the trace id.
+    logs = "".join((cluster.state_dir / "logs" / f"worker-{i}.log").read_text() for i in (1, 2))
+    assert logs.count(f"trace={result['trace_id']}") >= 8
+
+
+def test_publish_hydrate_cli_and_signals(cluster, instances):
+    a, b = instances["inst-a"], instances["inst-b"]
+    reference = generate(a, "ref-2", PROMPT[:20], 12)
+    generate(a, "req-2", PROMPT[:20], 5)
+    out = json.loads(
+        cluster.tc("publish", "req-2", "--instance", "inst-a", "--json", check=True).stdout
+    )
+    pages = out["steps"][0]["result"]["pages"]
+    assert pages[0]["key"] == manifest_key("req-2") and len(pages) > 1
+    cluster.tc("hydrate", "req-2", "--instance", "inst-b", check=True)
+    assert generate(b, "req-2", None, 7) == reference[5:]
+    with cluster.connect() as rt:
+        snapshot = rt.signals().list_instances()
+        assert snapshot.age_s < 5
+        by_id = {i.instance_id: i for i in snapshot}
+        assert by_id["inst-b"].worker_name == "worker-2" and by_id["inst-b"].endpoint == b
+        wait_until(
+            lambda: {i.instance_id: i for i in rt.instances()}["inst-b"].cached_tokens >= 31, 5
+        )
+        workers = rt.signals().list_workers()
+        assert {s.worker.name for s in workers} == {"worker-1", "worker-2"}
+        assert all(s.healthy and s.worker.heartbeat_age_s < 3 for s in workers)
+    assert cluster.tc("hydrate", "no-such-req", "--instance", "inst-b").returncode == 4
+
+
+def test_malformed_plans_are_rejected_before_anything_runs(cluster, instances):
+    with cluster.connect() as rt:
+
+        def plan() -> tc.Plan:
+            p = tc.Plan(tc.CallContext(deadline_ms=5000))
+            p.on_instance("inst-a").evict("never-ran")
+            return p
+
+        p = plan()
+        p.on_instance("nobody").publish("x")
+        with pytest.raises(tc.InvalidArgument, match="no instance 'nobody'"):
+            p.run(rt)
+        p = plan()
+        p.on_worker("no-worker").pin("kv-llama@v1")
+        with pytest.raises(tc.InvalidArgument, match="no worker"):
+            p.run(rt)
+        gateway = rt.worker_stub(rt.gateway())
+        bad = {
+            "cycle": [{"after": [1]}, {"after": [0]}],
+            "later input": [{"args": {"req_id": {"$step": 1}}}, {}],
+            "unknown op": [{"op": "format_disk"}],
+        }
+        for name, changes in bad.items():
+            steps = [
+                dict(
+                    {
+                        "id": i,
+                        "target": {"kind": "instance", "id": "inst-a"},
+                        "op": "evict",
+                        "args": {"req_id": "never-ran"},
+                        "after": [],
+                    },
+                    **c,
+                )
+                for i, c in enumerate(changes)
+            ]
+            body = {"trace_id": name, "deadline_ms": 5000, "steps": steps}
+            with pytest.raises(tc.InvalidArgument):
+                gateway.call("RunPlan", pb.PlanRequest(plan_json=json.dumps(body)))
+        # Nothing ran: no plan was recorded for any of them.
+        assert not {p.trace_id for p in rt.plans(100)} & {"cycle", "later input", "unknown op"}
+
+
+class _TestEngine(HFEngine):
+    """The reference engine with a slow or failing export, to drive deadlines and retries."""
+
+    def __init__(self, model, delay_s: float = 0.0, failures: int = 0) -> None:
+        super().__init__(model, page_tokens=8)
+        self.delay_s = delay_s
+        self.failures = failures
+
+    def export_kv(self, req_id):
+        if self.failures:
+            self.failures -= 1
+            raise tc.Unavailable("engine busy, try again")
+        time.sleep(self.delay_s)
+        return super().export_kv(req_id)
+
+
+@pytest.fixture
+def local_instance(cluster, model_id):
+    from tensorcast.integrations.transformers import load_model
+
+    made = []
+
+    def make(iid: str, **kw) -> _TestEngine:
+        rt = cluster.connect()
+        engine = _TestEngine(load_model(rt, model_id), **kw)
+        made.append((rt, InstanceRuntime(rt, engine, rt.resolve_worker("worker-1"), iid).start()))
+        with cluster.connect() as probe:
+            wait_until(lambda: any(i.instance_id == iid for i in probe.instances()), 5)
+        return engine
+
+    yield make
+    for rt, inst in made:
+        inst.close()
+        rt.close()
+
+
+def test_deadline_mid_plan_keeps_finished_steps_and_rerun_reuses_them(
+    cluster, instances, local_instance
+):
+    engine = local_instance("slow", delay_s=3.0)
+    engine.generate("r", PROMPT[:12], 3)
+    generate(instances["inst-a"], "req-3", PROMPT[:12], 3)
+    with cluster.connect() as rt:
+        ctx = tc.CallContext(deadline_ms=1200, idempotency_key="deadline-test")
+        p = tc.Plan(ctx)
+        p.on_instance("inst-a").publish("req-3")
+        p.on_instance("slow").publish("r", after=[])
+        started = time.monotonic()
+        with pytest.raises(tc.DeadlineExceeded) as info:
+            p.run(rt)
+        assert time.monotonic() - started < 3.0
+        steps = info.value.result["steps"]
+        assert steps[0]["status"] == "ok" and steps[0]["result"]["pages"]
+        assert steps[1]["status"] == "failed"
+        assert steps[1]["error"]["kind"] == "DeadlineExceeded"
+        assert rt.pages().exists_pages([manifest_key("req-3")]) == [True]  # step 0's output stays
+        # Re-run under the same key with time to spare: step 0 is reused, only step 1 runs.
+        engine.delay_s = 0.0
+        p2 = tc.Plan(tc.CallContext(deadline_ms=10_000, idempotency_key="deadline-test"))
+        p2.on_instance("inst-a").publish("req-3")
+        p2.on_instance("slow").publish("r")
+        result = p2.run(rt)
+        assert [s["status"] for s in result["steps"]] == ["reused", "ok"]
+
+
+def test_retryable_step_failures_are_retried_with_backoff(cluster, local_instance):
+    engine = local_instance("flaky", failures=2)
+    engine.generate("r", PROMPT[:9], 2)
+    with cluster.connect() as rt:
+        p = tc.Plan(tc.CallContext(deadline_ms=10_000))
+        p.on_instance("flaky").publish("r")
+        result = p.run(rt)
+    assert result["steps"][0]["retries"] == 2 and result["steps"][0]["status"] == "ok"
+    engine.failures = 10
+    with cluster.connect() as rt:
+        p = tc.Plan(tc.CallContext(deadline_ms=10_000))
+        p.on_instance("flaky").publish("r")
+        with pytest.raises(tc.Unavailable) as info:
+            p.run(rt)
+    assert info.value.result["steps"][0]["retries"] == 3  # MAX_ATTEMPTS bounds the loop
