@@ -84,7 +84,10 @@ class NetnsCluster:
     store_addr: str = ""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def _spawn(self, name: str, args: list[str], ns: str | None) -> dict:
+    def _spawn(self, name: str, args: list[str], ns: str | None, timeout_s: float = 30) -> dict:
+        """Start `tc ARGS` (in namespace `ns`, if any) as `name`; its ready file's JSON.
+
+        The process joins `procs`, so `stop` kills it whether or not it came up."""
         ready = self.state_dir / f"{name}.ready"
         prefix = ["ip", "netns", "exec", ns] if ns else []
         log = open(self.state_dir / f"{name}.log", "ab")  # noqa: SIM115 (kept by the child)
@@ -102,7 +105,7 @@ class NetnsCluster:
             stderr=subprocess.STDOUT,
             env={**os.environ, "TC_TOKEN": self.token},
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if self.procs[name].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(

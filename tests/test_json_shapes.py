@@ -57,6 +57,8 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         )
         _check("pin", c.tc("pin", "shape", "--on", "worker-2", "--json", check=True).stdout)
         _check("ls", c.tc("ls", "--json", check=True).stdout)
+        _check("workers", c.tc("workers", "--interval", "0", "--json", check=True).stdout)
+        _check("shards", c.tc("shards", "--json", check=True).stdout)
         _check("show", c.tc("show", "shape", "--json", check=True).stdout)
         _check("unpin", c.tc("unpin", "shape", "--on", "worker-2", "--json", check=True).stdout)
         out = tmp_path / "out.safetensors"
@@ -98,6 +100,14 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         "weights publish",
         "weights ls",
         "weights sync",
+        "workers",
+        "shards",
+        # checked in test_plans.py, where instances run
+        "publish",
+        "hydrate",
+        "migrate",
+        "instances",
+        "plans",
     }
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from conftest import wait_until
+from test_json_shapes import _check as check_json_shape
 
 import tensorcast as tc
 from tensorcast.engine.hf import HFEngine
@@ -116,7 +117,7 @@ def test_migrate_mid_generation_continues_token_identically(cluster, instances):
         "--json",
         check=True,
     )
-    result = json.loads(proc.stdout)
+    result = check_json_shape("migrate", proc.stdout)
     assert [s["op"] for s in result["steps"]] == ["publish", "prefetch_many", "hydrate", "evict"]
     assert [s["worker"] for s in result["steps"]] == [
         "worker-1",
@@ -124,7 +125,12 @@ def test_migrate_mid_generation_continues_token_identically(cluster, instances):
         "worker-2",
         "worker-1",
     ]
-    assert result["steps"][1]["bytes"] > 0  # pages copied to inst-b's worker before hydrate
+    # Pages homed elsewhere were copied to inst-b's worker before hydrate, exactly once.
+    with cluster.connect() as rt:
+        table, w2 = rt.shards(), rt.resolve_worker("worker-2").worker_id
+    pages = result["steps"][0]["result"]["pages"]
+    remote = sum(p["size_bytes"] for p in pages if table.lease(p["shard"]).holder_worker_id != w2)
+    assert result["steps"][1]["bytes"] == remote
     rest = generate(b, "req-1", None, 14)
     assert first + rest == reference
     with pytest.raises(tc.NotFound):  # evicted from the source
@@ -147,7 +153,7 @@ def test_migrate_mid_generation_continues_token_identically(cluster, instances):
         ).stdout
     )
     assert again["replayed"] and again["trace_id"] == result["trace_id"]
-    plans = json.loads(cluster.tc("plans", "--json", check=True).stdout)["plans"]
+    plans = check_json_shape("plans", cluster.tc("plans", "--json", check=True).stdout)["plans"]
     assert sum(p["idempotency_key"] == "move-req-1" for p in plans) == 1
     # Every worker the plan touched logged its steps under the trace id.
     logs = "".join((cluster.state_dir / "logs" / f"worker-{i}.log").read_text() for i in (1, 2))
@@ -158,12 +164,17 @@ def test_publish_hydrate_cli_and_signals(cluster, instances):
     a, b = instances["inst-a"], instances["inst-b"]
     reference = generate(a, "ref-2", PROMPT[:20], 12)
     generate(a, "req-2", PROMPT[:20], 5)
-    out = json.loads(
-        cluster.tc("publish", "req-2", "--instance", "inst-a", "--json", check=True).stdout
+    out = check_json_shape(
+        "publish",
+        cluster.tc("publish", "req-2", "--instance", "inst-a", "--json", check=True).stdout,
     )
     pages = out["steps"][0]["result"]["pages"]
     assert pages[0]["key"] == manifest_key("req-2") and len(pages) > 1
-    cluster.tc("hydrate", "req-2", "--instance", "inst-b", check=True)
+    check_json_shape(
+        "hydrate",
+        cluster.tc("hydrate", "req-2", "--instance", "inst-b", "--json", check=True).stdout,
+    )
+    check_json_shape("instances", cluster.tc("instances", "--json", check=True).stdout)
     assert generate(b, "req-2", None, 7) == reference[5:]
     with cluster.connect() as rt:
         snapshot = rt.signals().list_instances()

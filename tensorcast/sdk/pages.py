@@ -202,10 +202,7 @@ class Pages:
         offsets = conn.request({"op": "page_alloc", "sizes": [v.nbytes for v in views]})["offsets"]
         arena = conn.arena()
         for view, offset in zip(views, offsets):
-            if view.nbytes >= 1 << 20:
-                native.copy_into(arena, offset, view)
-            else:
-                arena[offset : offset + view.nbytes] = view
+            native.copy_into(arena, offset, view)
         conn.request(
             {
                 "op": "page_commit",
@@ -215,17 +212,28 @@ class Pages:
         )
 
     def get_pages(
-        self, keys: Sequence[str | PageRef], *, cache: Any = None
+        self,
+        keys: Sequence[str | PageRef],
+        *,
+        cache: Any = None,
+        into: Sequence[Any] | None = None,
     ) -> list[PageData | None]:
         """Pages by key (None where absent or expired). With `cache` (a local WorkerInfo) and
-        PageRefs, copies that worker holds with the right hash are used first."""
+        PageRefs, copies that worker holds with the right hash are used first.
+
+        `into` (writable buffers aligned with `keys`, e.g. an engine's preallocated KV blocks)
+        receives the bytes instead of new allocations: copying into memory already touched is
+        several times faster than into fresh pages. A page larger than its buffer is an error.
+        """
+        if into is not None and len(into) != len(keys):
+            raise errors.InvalidArgument("`into` needs one buffer per key")
         names = [k.key if isinstance(k, PageRef) else k for k in keys]
         out: list[PageData | None] = [None] * len(names)
         todo = list(range(len(names)))
         if cache is not None:
             expected = {i: k.hash for i, k in enumerate(keys) if isinstance(k, PageRef)}
             conn = self.rt.local_connection_to(cache.worker_id, cache.local_socket)
-            found = self._get_local(conn, [(names[i], 0, 0) for i in todo])
+            found = self._get_local(conn, [(names[i], 0, 0) for i in todo], into)
             for i, page in zip(todo, found):
                 if page is not None and (
                     i not in expected
@@ -240,7 +248,7 @@ class Pages:
             wanted = [(names[i], *self._token(names[i])) for i in indexes]
             conn = self._local(lease)
             if conn is not None:
-                pages = self._get_local(conn, wanted)
+                pages = self._get_local(conn, wanted, [into[i] for i in indexes] if into else None)
             else:
                 reply = self._stub(lease).call(
                     "GetPages",
@@ -248,6 +256,10 @@ class Pages:
                 )
                 pages = [_from_pb(p) for p in reply.pages]
             for i, page in zip(indexes, pages):
+                if page is not None and into is not None and conn is None:
+                    dest = _buffer(into[i], len(page.data))
+                    dest[:] = page.data
+                    page = PageData(page.key, page.dtype, page.shape, dest)
                 out[i] = page
 
         sub = [names[i] for i in todo]
@@ -259,23 +271,20 @@ class Pages:
         return out
 
     @staticmethod
-    def _get_local(conn: Any, wanted: list[tuple[str, int, int]]) -> list[PageData | None]:
+    def _get_local(
+        conn: Any, wanted: list[tuple[str, int, int]], into: Sequence[Any] | None = None
+    ) -> list[PageData | None]:
         reply = conn.request({"op": "page_get", "keys": wanted})
         arena = conn.arena()
         pages: list[PageData | None] = []
-        for info in reply["pages"]:
+        for i, info in enumerate(reply["pages"]):
             if info is None:
                 pages.append(None)
                 continue
             off, size = info["offset"], info["size_bytes"]
-            pages.append(
-                PageData(
-                    info["key"],
-                    info["dtype"],
-                    tuple(info["shape"]),
-                    bytearray(arena[off : off + size]),
-                )
-            )
+            data = _buffer(into[i], size) if into is not None else bytearray(size)
+            native.copy_into(data, 0, arena[off : off + size])
+            pages.append(PageData(info["key"], info["dtype"], tuple(info["shape"]), data))
         present = [(i, p) for i, p in enumerate(pages) if p is not None]
         hashes = native.hash_buffers([p.data for _, p in present]) if present else []
         for (i, _), h, info in zip(present, hashes, [reply["pages"][i] for i, _ in present]):
@@ -305,6 +314,18 @@ class Pages:
 
     def _stub(self, lease: ShardLease):
         return self.rt.worker_stub_at(lease.holder_worker_id, lease.holder_addr)
+
+
+def _buffer(target: Any, size: int) -> Any:
+    """The first `size` bytes of a caller's buffer (bytearray, memoryview, CPU tensor)."""
+    if hasattr(target, "numpy"):
+        target = target.numpy()
+    view = memoryview(target).cast("B")
+    if view.readonly or view.nbytes < size:
+        raise errors.InvalidArgument(
+            f"a {size}-byte page does not fit its {view.nbytes}-byte buffer"
+        )
+    return view[:size]
 
 
 def _from_pb(p: pb.Page) -> PageData | None:
