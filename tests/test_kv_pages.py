@@ -197,3 +197,12 @@ def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_h
                 ),
             )
         assert torch.equal(pages.get_pages([key])[0].tensor(), data[key])
+
+
+def test_grpc_batches_larger_than_one_message_are_split(cluster):
+    with cluster.connect() as rt:
+        pages = _remote(rt).pages()
+        data = {f"kv/large/{i}": torch.full((512 * 1024,), float(i)) for i in range(40)}  # 80 MiB
+        pages.put_pages(data, ttl_s=60)
+        got = pages.get_pages(list(data))
+        assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, data))

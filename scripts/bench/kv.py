@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_baselines as kb
 
 SYSTEMS = ("tensorcast-shm", "tensorcast-shm-into", "tensorcast-grpc", "redis", "mooncake-store")
-WORKER_MEM = "1536MiB"
+WORKER_MEM = "3GiB"  # room for every cell: no eviction inside the measurement
 SKIPPED_METHODS = {"Heartbeat", "AcquireShards"}  # the workers' own traffic
 
 

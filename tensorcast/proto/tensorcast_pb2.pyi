@@ -563,10 +563,12 @@ class PageKeys(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[_Union[PageKey, _Mapping]]] = ...) -> None: ...
 
 class PagesReply(_message.Message):
-    __slots__ = ("pages",)
+    __slots__ = ("pages", "served")
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     pages: _containers.RepeatedCompositeFieldContainer[Page]
-    def __init__(self, pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ...) -> None: ...
+    served: int
+    def __init__(self, pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ..., served: _Optional[int] = ...) -> None: ...
 
 class ExistsReply(_message.Message):
     __slots__ = ("exists",)

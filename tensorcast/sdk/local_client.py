@@ -88,9 +88,7 @@ class LocalConnection:
         with self._lock:
             if self._arena is None:
                 # Populated now: faulting 4 KiB pages in during every copy would halve its rate.
-                mm = mmap.mmap(
-                    self.fd, self.arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE
-                )
+                mm = mmap.mmap(self.fd, self.arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
                 self._arena = memoryview(mm)
             return self._arena
 

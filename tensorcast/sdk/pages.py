@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tensorcast import errors
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import shard_table_from_pb
+from tensorcast.rpc.page_calls import get_all
 from tensorcast.sharding import shard_of
 from tensorcast.transport import native
 from tensorcast.types import ShardLease, ShardTable
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
     from tensorcast.sdk.runtime import Runtime
 
+MAX_REQUEST_BYTES = 48 * 1024 * 1024  # below the 64 MiB gRPC message limit
 PageValue = Any  # a CPU torch.Tensor or a bytes-like object
 
 
@@ -175,28 +177,34 @@ class Pages:
             if conn is not None:
                 self._put_local(conn, group, [encoded[i][2] for i in indexes], ttl_s)
             else:
-                self._stub(lease).call(
-                    "PutPages",
-                    pb.PutPagesRequest(
-                        pages=[
-                            pb.Page(
-                                key=r.key,
-                                shard=r.shard,
-                                token=r.token,
-                                dtype=r.dtype,
-                                shape=list(r.shape),
-                                data=bytes(encoded[i][2]),
-                                hash=r.hash,
-                            )
-                            for r, i in zip(group, indexes)
-                            if r is not None
-                        ],
-                        ttl_s=ttl_s,
-                    ),
-                )
+                pages = [
+                    pb.Page(
+                        key=r.key,
+                        shard=r.shard,
+                        token=r.token,
+                        dtype=r.dtype,
+                        shape=list(r.shape),
+                        data=bytes(encoded[i][2]),
+                        hash=r.hash,
+                    )
+                    for r, i in zip(group, indexes)
+                    if r is not None
+                ]
+                self._put_remote(lease, pages, ttl_s)
 
         self._each_home(keys, put)
         return [r for r in refs if r is not None]
+
+    def _put_remote(self, lease: ShardLease, pages: list[pb.Page], ttl_s: float) -> None:
+        """PutPages in requests below the gRPC message limit."""
+        stub = self._stub(lease)
+        start, size = 0, 0
+        for end, page in enumerate(pages):
+            if size + len(page.data) > MAX_REQUEST_BYTES and end > start:
+                stub.call("PutPages", pb.PutPagesRequest(pages=pages[start:end], ttl_s=ttl_s))
+                start, size = end, 0
+            size += len(page.data)
+        stub.call("PutPages", pb.PutPagesRequest(pages=pages[start:], ttl_s=ttl_s))
 
     def _put_local(self, conn: Any, refs: list, views: list[memoryview], ttl_s: float) -> None:
         offsets = conn.request({"op": "page_alloc", "sizes": [v.nbytes for v in views]})["offsets"]
@@ -250,11 +258,12 @@ class Pages:
             if conn is not None:
                 pages = self._get_local(conn, wanted, [into[i] for i in indexes] if into else None)
             else:
-                reply = self._stub(lease).call(
-                    "GetPages",
-                    pb.PageKeys(keys=[pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted]),
+                got = get_all(
+                    self._stub(lease),
+                    [pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted],
+                    self.rt.timeout_s,
                 )
-                pages = [_from_pb(p) for p in reply.pages]
+                pages = [_from_pb(p) for p in got]
             for i, page in zip(indexes, pages):
                 if page is not None and into is not None and conn is None:
                     dest = _buffer(into[i], len(page.data))

@@ -10,9 +10,13 @@ import time
 
 from tensorcast import errors
 from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.rpc.page_calls import get_all
 from tensorcast.transport import native
 from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.pages import Page, PageWrite
+
+# Below the 64 MiB gRPC message limit, leaving room for the page headers.
+MAX_REPLY_BYTES = 48 * 1024 * 1024
 
 
 def page_to_pb(page: Page, data: bytes = b"") -> pb.Page:
@@ -60,11 +64,16 @@ class PageService:
         return self.store.lookup(keys)
 
     def get(self, keys: list[tuple[str, int, int]]) -> list[pb.Page]:
-        found = []
+        """Pages for a prefix of `keys` whose data fits in one gRPC reply (at least one)."""
+        found: list[pb.Page] = []
+        size = 0
         for page in self.lookup(keys):
             if page is None:
                 found.append(pb.Page())
                 continue
+            size += page.size_bytes
+            if found and size > MAX_REPLY_BYTES:
+                break
             try:
                 found.append(page_to_pb(page, self.store.read(page)))
             except errors.IntegrityError:
@@ -97,18 +106,16 @@ class PageService:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.DeadlineExceeded("prefetch of pages ran out of time")
-            reply = self.node.peer(home_id, lease.holder_addr).call(
-                "GetPages",
-                pb.PageKeys(
-                    keys=[
-                        pb.PageKey(key=r["key"], shard=int(r["shard"]), token=int(r["token"]))
-                        for r in group
-                    ]
-                ),
-                timeout_s=remaining,
+            pages = get_all(
+                self.node.peer(home_id, lease.holder_addr),
+                [
+                    pb.PageKey(key=r["key"], shard=int(r["shard"]), token=int(r["token"]))
+                    for r in group
+                ],
+                remaining,
             )
             got = []
-            for ref, page in zip(group, reply.pages):
+            for ref, page in zip(group, pages):
                 if not page.key:
                     raise errors.NotFound(f"page {ref['key']!r} is gone from its home")
                 if page.hash != ref.get("hash") or native.hash_buffer(page.data) != page.hash:

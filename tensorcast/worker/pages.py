@@ -111,13 +111,11 @@ class PageStore:
                     raise
 
     def _evict_one(self) -> bool:
-        now = time.monotonic()
+        """Drop the least recently used page (expired ones go first through `expire`)."""
         with self._lock:
             if not self._pages:
                 return False
-            victim = next((p for p in self._pages.values() if p.expires_at <= now), None)
-            victim = victim or next(iter(self._pages.values()))
-            self._remove(victim)
+            self._remove(next(iter(self._pages.values())))
         return True
 
     def free(self, offsets: list[int]) -> None:

@@ -175,7 +175,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
     def GetPages(self, request, context):
         keys = [(k.key, k.shard, k.token) for k in request.keys]
-        return pb.PagesReply(pages=self.pages.get(keys))
+        pages = self.pages.get(keys)
+        return pb.PagesReply(pages=pages, served=len(pages))
 
     def ExistsPages(self, request, context):
         keys = [(k.key, k.shard, k.token) for k in request.keys]
