@@ -313,3 +313,24 @@ def test_retryable_step_failures_are_retried_with_backoff(cluster, local_instanc
         with pytest.raises(tc.Unavailable) as info:
             p.run(rt)
     assert info.value.result["steps"][0]["retries"] == 3  # MAX_ATTEMPTS bounds the loop
+
+
+def test_manifest_and_transform_into_run_inside_the_instance(cluster, instances, local_instance):
+    engine = local_instance("filler")
+    params = engine.buffers()
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = params[name].clone()
+    ptr = params[name].data_ptr()
+    with torch.no_grad():
+        params[name].zero_()
+    generate(instances["inst-a"], "req-4", PROMPT[:9], 2)
+    with cluster.connect() as rt:
+        p = tc.Plan(tc.CallContext(deadline_ms=20_000))
+        filled = p.on_instance("filler").transform_into("kv-llama@v1")
+        published = p.on_instance("inst-a").publish("req-4")
+        listed = p.on_instance("inst-a").manifest("req-4", after=[published])
+        result = p.run(rt, concurrency=2)
+    assert result["steps"][filled.step_id]["result"]["filled"] == len(params)
+    assert torch.equal(params[name], before) and params[name].data_ptr() == ptr  # in place
+    steps = result["steps"]
+    assert steps[listed.step_id]["result"]["pages"] == steps[published.step_id]["result"]["pages"]
