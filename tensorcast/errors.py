@@ -94,6 +94,13 @@ ERROR_TABLE: tuple[type[TensorcastError], ...] = (
 )
 
 _BY_GRPC_CODE = {cls.grpc_code: cls for cls in ERROR_TABLE}
+_BY_NAME = {cls.__name__: cls for cls in ERROR_TABLE}
+
+
+def error_named(name: str, message: str) -> TensorcastError:
+    """Rebuild an error sent by class name (local socket, attach stream, plan results, HTTP);
+    an unknown name becomes a plain TensorcastError."""
+    return _BY_NAME.get(name, TensorcastError)(message)
 
 
 def error_for_grpc_code(code_name: str) -> type[TensorcastError]:

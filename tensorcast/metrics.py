@@ -55,6 +55,17 @@ RPC_LATENCY = Histogram(
 )
 
 
+def rpc_counts(metrics_text: str) -> dict[str, float]:
+    """Requests served per method, read back from a /metrics page (RPC_LATENCY's counts)."""
+    prefix = f'{RPC_LATENCY.name}_count{{method="'
+    counts = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(prefix):
+            method, _, value = line[len(prefix) :].partition('"} ')
+            counts[method] = float(value)
+    return counts
+
+
 def _fmt(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 

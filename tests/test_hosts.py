@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
 
 import pytest
 import torch
-import transformers
 from conftest import wait_until
+from kv_engine import PROMPT, generate, save_llama
 from netns import HOSTS, limit_rate, netns_cluster, set_link, unavailable_reason
 
 import tensorcast as tc
-from tensorcast.engine.server import engine_request
 from tensorcast.sdk.migrate import migrate
 
 pytestmark = pytest.mark.root
@@ -114,20 +112,6 @@ def test_link_cut_respects_the_deadline(hosts):
         wait_until(lambda: _replica_names(rt, "cut") == {"tc-a"}, 10)
 
 
-LLAMA = dict(
-    vocab_size=128,
-    hidden_size=96,
-    intermediate_size=192,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    initializer_range=0.6,  # large: greedy output does not loop
-)
-PROMPT = [random.Random(7).randrange(128) for _ in range(37)]
-
-
 def _start_instance(hosts, iid: str, ns: str, model_id: str) -> str:
     """`tc instance start` on host `ns`, attached to its worker; the endpoint, on `ns`'s address.
 
@@ -137,15 +121,8 @@ def _start_instance(hosts, iid: str, ns: str, model_id: str) -> str:
     return hosts._spawn(iid, args, ns, timeout_s=120)["endpoint"]  # torch + transformers: slow
 
 
-def _generate(endpoint: str, req_id: str, prompt: list[int] | None, n: int) -> list[int]:
-    body = {"req_id": req_id, "prompt_ids": prompt, "max_new_tokens": n}
-    return engine_request(endpoint, "POST", "/generate", body)["tokens"]
-
-
 def test_migrate_mid_generation_across_hosts_continues_token_identically(hosts, tmp_path):
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-    model.save_pretrained(tmp_path / "llama")
+    save_llama(tmp_path / "llama")
     with tc.connect(hosts.store_addr, hosts.token) as rt:
         rt.put_files("kv-llama@v1", tmp_path / "llama", worker="tc-a")
         a = _start_instance(hosts, "inst-a", "tc-a", "kv-llama@v1")
@@ -158,9 +135,9 @@ def test_migrate_mid_generation_across_hosts_continues_token_identically(hosts, 
             "inst-a": "tc-a",
             "inst-b": "tc-b",
         }
-        reference = _generate(a, "ref", PROMPT, 24)
+        reference = generate(a, "ref", PROMPT, 24)
         assert len(set(reference)) > 4  # a degenerate sequence would prove little
-        first = _generate(a, "req-1", PROMPT, 10)
+        first = generate(a, "req-1", PROMPT, 10)
         result = migrate(rt, "req-1", "inst-a", "inst-b")
         assert [s["op"] for s in result["steps"]] == [
             "publish",
@@ -170,7 +147,7 @@ def test_migrate_mid_generation_across_hosts_continues_token_identically(hosts, 
         ]
         assert [s["worker"] for s in result["steps"]] == ["tc-a", "tc-b", "tc-b", "tc-a"]
         assert result["steps"][1]["bytes"] > 0  # pages crossed the bridge before hydrate
-        rest = _generate(b, "req-1", None, 14)
+        rest = generate(b, "req-1", None, 14)
         assert first + rest == reference
         with pytest.raises(tc.NotFound):  # evicted from the source
-            _generate(a, "req-1", None, 1)
+            generate(a, "req-1", None, 1)

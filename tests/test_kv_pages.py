@@ -13,6 +13,7 @@ import torch
 from conftest import start_cluster, wait_until
 
 import tensorcast as tc
+from tensorcast.metrics import rpc_counts
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.sharding import shard_of
 from tensorcast.transport import native
@@ -62,12 +63,7 @@ def test_page_operations_never_ask_the_global_store(cluster):
     def store_calls() -> dict[str, float]:
         metrics_addr = next(p for p in cluster.record.processes if p.role == "store").metrics_addr
         text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
-        counts = {}
-        for line in text.splitlines():
-            if line.startswith("tc_rpc_duration_seconds_count"):
-                method = line.split('method="')[1].split('"')[0]
-                counts[method] = float(line.rsplit(" ", 1)[1])
-        return counts
+        return rpc_counts(text)
 
     with cluster.connect() as rt:
         pages = rt.pages()

@@ -5,43 +5,25 @@ and malformed plans rejected before anything runs."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-import transformers
 from conftest import wait_until
+from kv_engine import PROMPT, generate, save_llama
 from test_json_shapes import _check as check_json_shape
 
 import tensorcast as tc
 from tensorcast.engine.hf import HFEngine
-from tensorcast.engine.server import engine_request
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.sdk.instance import InstanceRuntime, manifest_key
-
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=96,
-    intermediate_size=192,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    initializer_range=0.6,  # large: greedy output does not loop
-)
-PROMPT = [random.Random(7).randrange(128) for _ in range(37)]
 
 
 @pytest.fixture(scope="module")
 def model_id(cluster, tmp_path_factory):
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
-    directory = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(directory)
+    directory = save_llama(tmp_path_factory.mktemp("llama"))
     cluster.tc("put", "kv-llama@v1", str(directory), check=True)
     return "kv-llama@v1"
 
@@ -93,11 +75,6 @@ def instances(cluster, model_id):
         for proc in procs:
             proc.terminate()
             proc.wait(10)
-
-
-def generate(endpoint: str, req_id: str, prompt: list[int] | None, n: int) -> list[int]:
-    body = {"req_id": req_id, "prompt_ids": prompt, "max_new_tokens": n}
-    return engine_request(endpoint, "POST", "/generate", body)["tokens"]
 
 
 def test_migrate_mid_generation_continues_token_identically(cluster, instances):

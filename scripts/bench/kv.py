@@ -40,6 +40,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_baselines as kb
 
+from tensorcast.metrics import rpc_counts
+
 SYSTEMS = ("tensorcast-shm", "tensorcast-shm-into", "tensorcast-grpc", "redis", "mooncake-store")
 WORKER_MEM = "3GiB"  # room for every cell: no eviction inside the measurement
 SKIPPED_METHODS = {"Heartbeat", "AcquireShards"}  # the workers' own traffic
@@ -74,11 +76,7 @@ class TensorCastPages:
     def store_calls(self) -> dict[str, float]:
         addr = next(p for p in self.record.processes if p.role == "store").metrics_addr
         text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
-        counts = {}
-        for line in text.splitlines():
-            if line.startswith("tc_rpc_duration_seconds_count"):
-                counts[line.split('method="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-        return counts
+        return rpc_counts(text)
 
     def gs_requests(self) -> dict[str, int]:
         after = self.store_calls()

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from tensorcast.adaptors import InstanceLoad
 from tensorcast.errors import (
-    ERROR_TABLE,
     AlreadyExists,
     DeadlineExceeded,
     InvalidArgument,
@@ -26,6 +25,7 @@ from tensorcast.errors import (
     ResourceExhausted,
     TensorcastError,
     Unavailable,
+    error_named,
 )
 
 MAX_BODY_BYTES = 1 << 20
@@ -195,10 +195,8 @@ def engine_request(
 
 
 def _error_from(exc: urllib.error.HTTPError) -> TensorcastError:
-    by_name = {cls.__name__: cls for cls in ERROR_TABLE}
     try:
         reply = json.loads(exc.read())
-        cls = by_name.get(reply["error"], TensorcastError)
-        return cls(reply["message"])
+        return error_named(str(reply["error"]), str(reply["message"]))
     except (ValueError, KeyError, TypeError):
         return TensorcastError(f"engine replied HTTP {exc.code} without a JSON error")

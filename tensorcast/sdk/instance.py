@@ -199,8 +199,7 @@ class InstanceRuntime:
                 "died): publish it again or recompute"
             )
         manifest = json.loads(bytes(page.data))
-        mref = wanted if isinstance(wanted, PageRef) else PageRef(key, 0, 0, "", "U8", (), 0)
-        return manifest, mref
+        return manifest, self.rt.pages().ref_of(page)
 
     def op_hydrate(self, req_id: str, artifacts: list[dict] | None = None) -> dict:
         from tensorcast.adaptors import KVExport

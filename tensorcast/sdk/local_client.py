@@ -53,10 +53,7 @@ class LocalConnection:
             except (OSError, ConnectionError) as e:
                 raise errors.Unavailable(f"local worker connection failed: {e}") from None
         if not reply.get("ok"):
-            cls = getattr(errors, str(reply.get("error")), errors.TensorcastError)
-            if not (isinstance(cls, type) and issubclass(cls, errors.TensorcastError)):
-                cls = errors.TensorcastError
-            raise cls(reply.get("message", "worker error"))
+            raise errors.error_named(str(reply.get("error")), reply.get("message", "worker error"))
         return reply, fds
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:

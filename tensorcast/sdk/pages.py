@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tensorcast import errors
@@ -71,7 +71,8 @@ class PageData:
     key: str
     dtype: str
     shape: tuple[int, ...]
-    data: bytes | bytearray
+    data: Any  # bytes-like: a bytearray, or a view of the caller's `into` buffer
+    hash: str  # checked against the bytes on arrival
 
     def tensor(self) -> torch.Tensor:
         import torch
@@ -144,6 +145,12 @@ class Pages:
             pending = failed
         assert error is not None
         raise error
+
+    def ref_of(self, page: PageData) -> PageRef:
+        """The reference of a page just read: its shard, the current token, its hash."""
+        shard, token = self._token(page.key)
+        size = memoryview(page.data).nbytes
+        return PageRef(page.key, shard, token, page.hash, page.dtype, page.shape, size)
 
     def _token(self, key: str) -> tuple[int, int]:
         table = self.table()
@@ -243,10 +250,7 @@ class Pages:
             conn = self.rt.local_connection_to(cache.worker_id, cache.local_socket)
             found = self._get_local(conn, [(names[i], 0, 0) for i in todo], into)
             for i, page in zip(todo, found):
-                if page is not None and (
-                    i not in expected
-                    or (page.data and (native.hash_buffer(page.data) == expected[i]))
-                ):
+                if page is not None and (i not in expected or page.hash == expected[i]):
                     out[i] = page
             todo = [i for i in todo if out[i] is None]
         if not todo:
@@ -268,7 +272,7 @@ class Pages:
                 if page is not None and into is not None and conn is None:
                     dest = _buffer(into[i], len(page.data))
                     dest[:] = page.data
-                    page = PageData(page.key, page.dtype, page.shape, dest)
+                    page = replace(page, data=dest)
                 out[i] = page
 
         sub = [names[i] for i in todo]
@@ -293,7 +297,9 @@ class Pages:
             off, size = info["offset"], info["size_bytes"]
             data = _buffer(into[i], size) if into is not None else bytearray(size)
             native.copy_into(data, 0, arena[off : off + size])
-            pages.append(PageData(info["key"], info["dtype"], tuple(info["shape"]), data))
+            pages.append(
+                PageData(info["key"], info["dtype"], tuple(info["shape"]), data, info["hash"])
+            )
         present = [(i, p) for i, p in enumerate(pages) if p is not None]
         hashes = native.hash_buffers([p.data for _, p in present]) if present else []
         for (i, _), h, info in zip(present, hashes, [reply["pages"][i] for i, _ in present]):
@@ -342,4 +348,4 @@ def _from_pb(p: pb.Page) -> PageData | None:
         return None
     if native.hash_buffer(p.data) != p.hash:
         raise errors.IntegrityError(f"page {p.key!r} arrived damaged (hash mismatch)")
-    return PageData(p.key, p.dtype, tuple(p.shape), bytearray(p.data))
+    return PageData(p.key, p.dtype, tuple(p.shape), bytearray(p.data), p.hash)

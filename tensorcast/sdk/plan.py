@@ -175,17 +175,10 @@ class Plan:
         result = json.loads(reply.result_json)
         if result.get("status") != "ok":
             err = result.get("error") or {}
-            cls = getattr(errors, str(err.get("kind")), errors.TensorcastError)
-            if not (isinstance(cls, type) and issubclass(cls, errors.TensorcastError)):
-                cls = errors.TensorcastError
-            e = cls(f"plan {self.ctx.id} failed at step {err.get('step')}: {err.get('message')}")
+            e = errors.error_named(
+                str(err.get("kind")),
+                f"plan {self.ctx.id} failed at step {err.get('step')}: {err.get('message')}",
+            )
             e.result = result  # type: ignore[attr-defined]
             raise e
         return result
-
-
-def one_step(rt: Runtime, kind: str, target: str, op: str, args: dict, ctx: CallContext) -> dict:
-    """A single operation is a one-step plan; returns that step's result."""
-    plan = Plan(ctx)
-    plan._add(kind, target, op, args, [])
-    return plan.run(rt)["steps"][0]["result"]

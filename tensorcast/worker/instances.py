@@ -27,13 +27,6 @@ MAX_QUEUED_COMMANDS = 64
 POLL_S = 0.5
 
 
-def error_from(kind: str, message: str) -> errors.TensorcastError:
-    cls = getattr(errors, kind, errors.TensorcastError)
-    if not (isinstance(cls, type) and issubclass(cls, errors.TensorcastError)):
-        cls = errors.TensorcastError
-    return cls(message)
-
-
 class InstanceSession:
     def __init__(self, info: InstanceInfo) -> None:
         self.info = info
@@ -88,7 +81,7 @@ class InstanceSession:
             if future is None or future.done():
                 return  # the caller gave up already
             if message.error_kind:
-                future.set_exception(error_from(message.error_kind, message.error_message))
+                future.set_exception(errors.error_named(message.error_kind, message.error_message))
             else:
                 future.set_result(json.loads(message.result_json or "{}"))
 

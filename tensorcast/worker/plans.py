@@ -222,6 +222,7 @@ class PlanExecutor:
     ) -> dict:
         steps = {s["id"]: s for s in plan["steps"]}
         deps = {i: planlib.dependencies(s) for i, s in steps.items()}
+        order = planlib.order(plan["steps"])
         traces: dict[int, dict] = {}
         results: dict[int, dict] = {}
         for i, trace in reused.items():
@@ -234,7 +235,7 @@ class PlanExecutor:
                 if failure is None:
                     ready = [
                         i
-                        for i in planlib.order(list(steps.values()))
+                        for i in order
                         if i not in traces and i not in running.values() and deps[i] <= set(results)
                     ]
                     for i in ready[: plan.get("concurrency", 1) - len(running)]:

@@ -36,6 +36,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
     def Status(self, request, context):
         stats = self.node.pool.stats()
+        page_stats = self.node.pages.stats()
         return pb.WorkerStatus(
             worker=pb.Worker(
                 worker_id=self.node.worker_id,
@@ -51,8 +52,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             num_contents=stats.num_contents,
             num_holds=stats.num_holds,
             store_addr=self.node.store_addr,
-            pages=self.node.pages.stats()["pages"],
-            page_bytes=self.node.pages.stats()["bytes"],
+            pages=page_stats["pages"],
+            page_bytes=page_stats["bytes"],
         )
 
     def View(self, request, context):
