@@ -18,3 +18,17 @@ def content_id(tensors: Iterable[TensorMeta]) -> str:
     canonical = sorted((t.name, t.dtype, list(t.shape), t.hash_hex) for t in tensors)
     digest = hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
     return CONTENT_ID_PREFIX + digest[:40]
+
+
+REFERENCE_ID_PREFIX = "r1-"
+
+
+def reference_id(tensors: Iterable[TensorMeta], files: Iterable[tuple[str, int, int, int]]) -> str:
+    """Identity of content registered by reference, before any byte is read: the layout plus the
+    files' (path, size, mtime_ns, inode). The same unchanged files give the same id again."""
+    canonical = [
+        sorted((t.name, t.dtype, list(t.shape), t.offset_bytes) for t in tensors),
+        sorted(list(f) for f in files),
+    ]
+    digest = hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
+    return REFERENCE_ID_PREFIX + digest[:40]

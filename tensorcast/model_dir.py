@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.safetensors_file import SafetensorsHeader, read_header
+from tensorcast.types import TENSOR_ALIGN_BYTES, TensorMeta, align_up
 
 INDEX_FILE = "model.safetensors.index.json"
 FILE_PREFIX = "__file__/"  # artifact tensors holding a directory's other files, as U8 bytes
@@ -29,6 +30,42 @@ class ModelFiles:
 
     def fingerprint_paths(self) -> list[Path]:
         return [h.path for h in self.headers] + list(self.blobs)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """`length` bytes at `file_offset` of `path` land at `region_offset` of the content."""
+
+    path: Path
+    file_offset: int
+    length: int
+    region_offset: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    tensors: tuple[TensorMeta, ...]  # without hashes: nothing has been read yet
+    size_bytes: int
+    extents: tuple[Extent, ...]
+
+
+def layout(files: ModelFiles) -> FileLayout:
+    """The content a model directory becomes: the shards' data sections back to back, then the
+    small files, each aligned; one extent per file."""
+    metas: list[TensorMeta] = []
+    extents: list[Extent] = []
+    size = 0
+    for h in files.headers:
+        for t in h.tensors:
+            metas.append(TensorMeta(t.name, t.dtype, t.shape, t.end - t.begin, size + t.begin))
+        extents.append(Extent(h.path, h.data_offset, h.data_size, size))
+        size = align_up(size + h.data_size, TENSOR_ALIGN_BYTES)
+    for blob in files.blobs:
+        length = blob.stat().st_size
+        metas.append(TensorMeta(FILE_PREFIX + blob.name, "U8", (length,), length, size))
+        extents.append(Extent(blob, 0, length, size))
+        size = align_up(size + length, TENSOR_ALIGN_BYTES)
+    return FileLayout(tuple(metas), size, tuple(extents))
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:

@@ -10,11 +10,14 @@ Modes, each in a fresh interpreter (`python weights.py --child ...`):
           file just before the run)
   b       the same after dropping the page cache (sync; echo 3 > /proc/sys/vm/drop_caches);
           skipped, with the reason, when that is not permitted
-  c       TensorCast cold path by reference: not available (--by-reference not implemented)
+  c       TensorCast cold path: the directory registered with `tc put --by-reference` (files
+          touched first, so every repeat is a new, never-read content), page cache dropped;
+          load_model makes the local worker read the tensors' byte ranges into its pool
   d       tensorcast.integrations.transformers.load_model from a local worker that holds the
           model directory as an artifact (stored once with `tc put` before the runs)
   runai   Run:ai model streamer (SafetensorsStreamer) reading the same shards into CPU tensors,
           warm page cache; weight load only (no model is built)
+  runai_cold  the same after dropping the page cache (the baseline for c)
   dd      raw cold read rate of the shards: `dd if=FILE of=/dev/null bs=16M` after dropping the
           page cache, GB/s (1e9 bytes/s)
   delta   weight sync: publish v1 of the state dict, a subscriber syncs v1, 10% of the tensors
@@ -59,13 +62,16 @@ PROMPT_IDS = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 298
 ART_ID = "bench-llama@v1"
 GOAL_D_VS_A = 20.0
 GOAL_DELTA = 0.15
+GOAL_C_VS_DD = 0.90
 
+BENCH_MODES = ("a", "b", "c", "d", "runai", "runai_cold")
 MODE_DOC = {
     "a": "from_pretrained, warm page cache",
     "b": "from_pretrained, page cache dropped (cold)",
-    "c": "tensorcast cold by reference",
+    "c": "tensorcast load_model, by reference, page cache dropped (cold)",
     "d": "tensorcast load_model, local worker (warm)",
     "runai": "runai SafetensorsStreamer -> CPU tensors (load only, warm)",
+    "runai_cold": "runai SafetensorsStreamer, page cache dropped (load only, cold)",
 }
 
 
@@ -391,7 +397,9 @@ def main() -> int:
     ap.add_argument("--mem", default="8GiB", help="worker memory for `tc up`")
     ap.add_argument("--workdir", type=Path, help="keep the generated model here (reused)")
     ap.add_argument(
-        "--skip", default="", help="comma-separated modes to skip: a,b,d,runai,dd,delta"
+        "--skip",
+        default="",
+        help="comma-separated modes to skip: a,b,c,d,runai,runai_cold,dd,delta",
     )
     ap.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -439,7 +447,7 @@ def main() -> int:
         files = sorted(model_dir.glob("*.safetensors"))
         result["model"]["file_bytes"] = sum(p.stat().st_size for p in files)
 
-        if "d" not in skip or "delta" not in skip:
+        if not skip.issuperset({"c", "d"}) or "delta" not in skip:
             tc_cli("up", "--workers", "1", "--mem", args.mem, "--state-dir", str(state_dir))
             cluster_up = True
         if "d" not in skip:
@@ -456,7 +464,7 @@ def main() -> int:
             "rss_after_forward_mib",
             "child_wall_s",
         )
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ("a", "b", "d", "runai")}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in BENCH_MODES}
         dd_runs: list[dict[str, Any]] = []
         cold_skip = None
         for _ in range(args.repeats):
@@ -467,27 +475,43 @@ def main() -> int:
                 cold_skip = drop_caches()
                 if cold_skip is None:
                     runs["b"].append(run_child("hf", str(model_dir)))
+            if "c" not in skip and cold_skip is None:
+                # Touched files are a new reference: never read, nothing of it in the pool.
+                for p in model_dir.iterdir():
+                    os.utime(p)
+                ref_id = f"{ART_ID}-ref{len(runs['c'])}"
+                tc_cli(
+                    "put", ref_id, str(model_dir), "--by-reference", "--state-dir", str(state_dir)
+                )
+                cold_skip = drop_caches()
+                if cold_skip is None:
+                    runs["c"].append(run_child("tc", str(state_dir), ref_id))
+                tc_cli("rm", ref_id, "--state-dir", str(state_dir))
             if "d" not in skip:
                 runs["d"].append(run_child("tc", str(state_dir), ART_ID))
-            if "runai" not in skip:
+            if not skip.issuperset({"runai", "runai_cold"}):
                 try:
                     import runai_model_streamer  # noqa: F401
-
-                    warm_files(files)
-                    runs["runai"].append(run_child("runai", str(model_dir)))
                 except ImportError as e:
-                    modes["runai"] = {"skipped": f"runai-model-streamer not installed ({e})"}
-                    skip.add("runai")
+                    why = f"runai-model-streamer not installed ({e})"
+                    modes["runai"] = modes["runai_cold"] = {"skipped": why}
+                    skip |= {"runai", "runai_cold"}
+            if "runai" not in skip:
+                warm_files(files)
+                runs["runai"].append(run_child("runai", str(model_dir)))
+            if "runai_cold" not in skip and cold_skip is None:
+                cold_skip = drop_caches()
+                if cold_skip is None:
+                    runs["runai_cold"].append(run_child("runai", str(model_dir)))
             if "dd" not in skip:
                 dd_runs.append(dd_rate(files))
-        for m in ("a", "b", "d", "runai"):
+        for m in BENCH_MODES:
             if m in skip:
                 modes.setdefault(m, {"skipped": "--skip"})
-            elif m == "b" and cold_skip:
+            elif m in ("b", "c", "runai_cold") and cold_skip:
                 modes[m] = {"skipped": cold_skip}
             else:
                 modes[m] = median_of(runs[m], keys)
-        modes["c"] = {"skipped": "not available (--by-reference not implemented)"}
         if "dd" in skip:
             result["dd"] = {"skipped": "--skip"}
         elif dd_runs and "skipped" in dd_runs[0]:
@@ -526,6 +550,14 @@ def main() -> int:
     b_load = modes.get("b", {}).get("load_s")
     if b_load and d_load:
         ratios["d_vs_b_load"] = b_load / d_load
+    c_load = modes.get("c", {}).get("load_s")
+    dd_rate_gbs = result.get("dd", {}).get("gb_per_s")
+    file_bytes = result.get("model", {}).get("file_bytes")
+    if c_load and dd_rate_gbs and file_bytes:
+        ratios["c_rate_vs_dd"] = file_bytes / c_load / 1e9 / dd_rate_gbs
+    runai_cold = modes.get("runai_cold", {}).get("load_s")
+    if c_load and runai_cold:
+        ratios["c_vs_runai_cold_load"] = runai_cold / c_load
     result["ratios"] = ratios
     delta = result.get("delta", {})
     goals: dict[str, Any] = {
@@ -538,21 +570,26 @@ def main() -> int:
         "delta_time_le_0.15": (delta["time_ratio"] <= GOAL_DELTA)
         if "time_ratio" in delta
         else "not measured",
-        "c_goals": "not measured",
+        "c_rate_ge_90pct_of_dd": (ratios["c_rate_vs_dd"] >= GOAL_C_VS_DD)
+        if "c_rate_vs_dd" in ratios
+        else "not measured",
+        "c_faster_than_runai_cold": (ratios["c_vs_runai_cold_load"] > 1.0)
+        if "c_vs_runai_cold_load" in ratios
+        else "not measured",
     }
     result["goals"] = goals
     _emit(result)
 
     # table
     print()
-    head = f"{'mode':<7} {'weight load':>12} {'ready (load+fwd)':>17} {'RSS+ load/fwd MiB':>18}"
+    head = f"{'mode':<10} {'weight load':>12} {'ready (load+fwd)':>17} {'RSS+ load/fwd MiB':>18}"
     print(head + "  description")
-    for m in ("a", "b", "c", "d", "runai"):
+    for m in BENCH_MODES:
         r = modes.get(m, {})
         if "skipped" in r:
-            print(f"{m:<7} {'-':>12} {'-':>17}  {MODE_DOC[m]}: skipped: {r['skipped']}")
+            print(f"{m:<10} {'-':>12} {'-':>17}  {MODE_DOC[m]}: skipped: {r['skipped']}")
         elif "error" in r:
-            print(f"{m:<7} {'-':>12} {'-':>17}  {MODE_DOC[m]}: ERROR: {r['error'][:300]}")
+            print(f"{m:<10} {'-':>12} {'-':>17}  {MODE_DOC[m]}: ERROR: {r['error'][:300]}")
         else:
             rss = (
                 f"{r['rss_after_load_mib']:.0f}/{r['rss_after_forward_mib']:.0f}"
@@ -560,7 +597,7 @@ def main() -> int:
                 else "-"
             )
             print(
-                f"{m:<7} {fmt(r.get('load_s')):>12} {fmt(r.get('ready_s', '-')):>17} {rss:>18}"
+                f"{m:<10} {fmt(r.get('load_s')):>12} {fmt(r.get('ready_s', '-')):>17} {rss:>18}"
                 f"  {MODE_DOC[m]}"
             )
     dd = result.get("dd", {})

@@ -2,6 +2,7 @@
 
 Every header is validated before any byte moves; a malformed file changes nothing. Putting the
 same content under the same id again is a no-op; under a taken id it fails (exit 5).
+With --by-reference nothing is read now: this host's worker reads the tensors on first use.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def command(
             show_default=False,
         ),
     ] = None,
+    by_reference: Annotated[
+        bool,
+        typer.Option(
+            "--by-reference",
+            help="Register the files without copying them: the first read loads the tensors' "
+            "byte ranges into this host's worker (the files must stay unchanged).",
+        ),
+    ] = False,
     state_dir: StateDirOpt = None,
     addr: AddrOpt = None,
     token: TokenOpt = None,
@@ -59,15 +68,22 @@ def command(
     total = sum(p.stat().st_size for p in scan(path).fingerprint_paths())
     with connect(state_dir, addr, token) as rt:
         started = time.perf_counter()
-        with progress_bar(total, f"put {art_id}", not as_json) as advance:
-            art = rt.put_files(art_id, path, ttl_s=ttl, worker=on, progress=advance)
+        if by_reference:
+            art = rt.put_files(art_id, path, ttl_s=ttl, worker=on, by_reference=True)
+        else:
+            with progress_bar(total, f"put {art_id}", not as_json) as advance:
+                art = rt.put_files(art_id, path, ttl_s=ttl, worker=on, progress=advance)
         elapsed = time.perf_counter() - started
     info = art.info
-    data = {**info.to_json(), "elapsed_s": round(elapsed, 4)}
-    rate = info.size_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
+    data = {**info.to_json(), "elapsed_s": round(elapsed, 4), "by_reference": by_reference}
+    if by_reference:
+        how = "registered by reference (read on first use)"
+    else:
+        rate = info.size_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
+        how = f"in {elapsed:.2f}s ({rate:.2f} GB/s)"
     emit(
         as_json,
         data,
         f"put {info.art_id}: {len(info.tensors)} tensors, {format_size(info.size_bytes)} "
-        f"in {elapsed:.2f}s ({rate:.2f} GB/s), content {info.content_id}",
+        f"{how}, content {info.content_id}",
     )

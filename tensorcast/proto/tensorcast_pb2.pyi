@@ -109,7 +109,7 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total", "disk_used_bytes", "held_shards", "instances")
+    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total", "disk_used_bytes", "held_shards", "instances", "file_content_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class HeartbeatRequest(_message.Message):
     DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_SHARDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    FILE_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     mem_used_bytes: int
     content_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -130,7 +131,8 @@ class HeartbeatRequest(_message.Message):
     disk_used_bytes: int
     held_shards: _containers.RepeatedCompositeFieldContainer[ShardLease]
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
-    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., held_shards: _Optional[_Iterable[_Union[ShardLease, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
+    file_content_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., held_shards: _Optional[_Iterable[_Union[ShardLease, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., file_content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("drop_content_ids", "shards")
@@ -261,16 +263,18 @@ class ListWorkersReply(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
 
 class AddReplicaRequest(_message.Message):
-    __slots__ = ("worker_id", "content_id", "size_bytes", "tensors")
+    __slots__ = ("worker_id", "content_id", "size_bytes", "tensors", "tier")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     content_id: str
     size_bytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    tier: str
+    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class RemoveReplicaRequest(_message.Message):
     __slots__ = ("worker_id", "content_id", "tier")

@@ -109,6 +109,8 @@ class Artifact:
             "OpenTransfer",
             pb.OpenTransferRequest(content_id=info.content_id, ttl_ms=int(timeout_s * 1000)),
         )
+        if not all(t.hash_hex for t in info.tensors):
+            info = self.refresh().info  # by reference, first read: hashes known only now
         buffer = bytearray(ticket.size_bytes)
         try:
             native.pull(

@@ -270,6 +270,7 @@ class Runtime:
         ttl_s: float | None = None,
         worker: str | None = None,
         progress: Progress | None = None,
+        by_reference: bool = False,
     ) -> Artifact:
         """Put a safetensors file or a model directory (shards, index, config and tokenizer files)
         as one artifact.
@@ -277,13 +278,19 @@ class Runtime:
         Everything is validated before any data moves; bytes are read by parallel positional
         reads straight into pool memory. An unchanged set of files put before (same paths, sizes,
         mtimes) whose content the cluster still holds moves no data.
+
+        `by_reference` registers the files with this host's worker without reading them: the
+        first `tensor_dict()` reads the tensors' byte ranges into its pool (cold), later ones
+        map that copy (warm). The files must stay unchanged; a changed file is refused on read.
         """
         from tensorcast import model_dir
         from tensorcast.sdk import put_cache, writes
 
+        owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
+        if by_reference:
+            return self._put_reference(art_id, path, owner, ttl_s or 0.0, worker)
         files = model_dir.scan(path)
         key = put_cache.fingerprint(files.fingerprint_paths())
-        owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
         known = put_cache.lookup(key)
         if known and worker is None:
             found = self.store.call("FindContent", pb.FindContentRequest(content_id=known))
@@ -293,6 +300,25 @@ class Runtime:
         committed = writes.write_content(self, metas, size, filler, progress, worker)
         put_cache.record(key, committed.content_id)
         return self._name(art_id, committed.content_id, owner, ttl_s or 0.0, "")
+
+    def _put_reference(
+        self,
+        art_id: str,
+        path: str | os.PathLike[str],
+        owner: str,
+        ttl_s: float,
+        worker: str | None,
+    ) -> Artifact:
+        local = [w for w in self.write_targets(worker) if self.is_local(w)]
+        if not local:
+            raise InvalidArgument(
+                "--by-reference needs a live worker on this host (it reads the files in place)"
+                + (f"; {worker!r} is on another host" if worker else "")
+            )
+        reply = self.local_connection(local[0]).request(
+            {"op": "put_reference", "path": os.path.abspath(path)}
+        )
+        return self._name(art_id, reply["content_id"], owner, ttl_s, "")
 
     def _name(
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str

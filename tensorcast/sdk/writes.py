@@ -9,14 +9,13 @@ half-written.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import STREAM_CHUNK_BYTES
 from tensorcast.errors import ResourceExhausted
-from tensorcast.model_dir import FILE_PREFIX, ModelFiles
+from tensorcast.model_dir import ModelFiles, layout
 from tensorcast.transport import native
-from tensorcast.types import TENSOR_ALIGN_BYTES, Committed, TensorMeta, align_up
+from tensorcast.types import Committed, TensorMeta
 
 if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Progress, Runtime
@@ -38,32 +37,20 @@ def buffer_filler(metas: list[TensorMeta], sources: Sequence[Any]) -> Filler:
 
 
 def plan_files(files: ModelFiles) -> tuple[list[TensorMeta], int, Filler]:
-    """Lay the files' data sections, then the blobs, out back to back in one region."""
-    metas: list[TensorMeta] = []
-    extents: list[tuple[Path, int, int, int]] = []  # path, file offset, length, region offset
-    size = 0
-    for h in files.headers:
-        for t in h.tensors:
-            metas.append(TensorMeta(t.name, t.dtype, t.shape, t.end - t.begin, size + t.begin))
-        extents.append((h.path, h.data_offset, h.data_size, size))
-        size = align_up(size + h.data_size, TENSOR_ALIGN_BYTES)
-    for blob in files.blobs:
-        length = blob.stat().st_size
-        metas.append(TensorMeta(FILE_PREFIX + blob.name, "U8", (length,), length, size))
-        extents.append((blob, 0, length, size))
-        size = align_up(size + length, TENSOR_ALIGN_BYTES)
+    """Lay the files out as one content (`model_dir.layout`) and read them into a region."""
+    plan = layout(files)
 
     def fill(dest: Any, base: int, progress: Progress | None) -> None:
-        for path, file_offset, length, region_offset in extents:
-            for start in range(0, length, FILE_READ_STEP_BYTES):
-                step = min(FILE_READ_STEP_BYTES, length - start)
+        for e in plan.extents:
+            for start in range(0, e.length, FILE_READ_STEP_BYTES):
+                step = min(FILE_READ_STEP_BYTES, e.length - start)
                 native.read_file_into(
-                    path, file_offset + start, step, dest, base + region_offset + start
+                    e.path, e.file_offset + start, step, dest, base + e.region_offset + start
                 )
                 if progress:
                     progress(step)
 
-    return metas, size, fill
+    return list(plan.tensors), plan.size_bytes, fill
 
 
 def write_content(

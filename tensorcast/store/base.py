@@ -48,6 +48,7 @@ class MetadataStore(Protocol):
         disk_content_ids: frozenset[str] = frozenset(),
         transfer_bytes_total: int = 0,
         disk_used_bytes: int = 0,
+        file_content_ids: frozenset[str] = frozenset(),
     ) -> list[str]:
         """Record liveness and reconcile the worker's inventory; returns contents to drop."""
         ...
@@ -60,7 +61,11 @@ class MetadataStore(Protocol):
         size_bytes: int,
         tensors: tuple[TensorMeta, ...],
         now: float,
-    ) -> None: ...
+        tier: str = "cpu",
+    ) -> None:
+        """Record a replica. A "file" replica (by reference) may carry tensors without hashes;
+        the first replica with hashes fills them in, and from then on they are the truth."""
+
     def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None: ...
     def find_content(self, content_id: str, now: float) -> ContentInfo | None: ...
     def create_artifact(

@@ -84,6 +84,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             frozenset(request.disk_content_ids),
             request.transfer_bytes_total,
             request.disk_used_bytes,
+            frozenset(request.file_content_ids),
         )
         self.coord.renew_shards(
             request.worker_id, [(s.shard, s.token) for s in request.held_shards], now
@@ -106,6 +107,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             request.size_bytes,
             tensors_from_pb(request.tensors),
             time.time(),
+            request.tier or "cpu",
         )
         return pb.Empty()
 

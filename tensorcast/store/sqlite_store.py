@@ -106,6 +106,7 @@ class SqliteStore:
         disk_content_ids: frozenset[str] = frozenset(),
         transfer_bytes_total: int = 0,
         disk_used_bytes: int = 0,
+        file_content_ids: frozenset[str] = frozenset(),
     ) -> list[str]:
         with self._lock, self.db.conn:
             cursor = self.db.execute(
@@ -122,7 +123,11 @@ class SqliteStore:
             )
             if cursor.rowcount == 0:
                 raise NotFound(f"worker {worker_id} is not registered")
-            held = {(c, "cpu") for c in content_ids} | {(c, "disk") for c in disk_content_ids}
+            held = (
+                {(c, "cpu") for c in content_ids}
+                | {(c, "disk") for c in disk_content_ids}
+                | {(c, "file") for c in file_content_ids}
+            )
             known = self._known_contents([c for c, _ in held])
             for content_id, tier in held:
                 if content_id in known:
@@ -195,20 +200,36 @@ class SqliteStore:
         size_bytes: int,
         tensors: tuple[TensorMeta, ...],
         now: float,
+        tier: str = "cpu",
     ) -> None:
+        if tier not in ("cpu", "file"):
+            raise InvalidArgument(f"unknown replica tier {tier!r}")
         with self._lock, self.db.conn:
             if not self.db.execute(
                 "SELECT 1 FROM workers WHERE worker_id = ?", [worker_id]
             ).fetchone():
                 raise NotFound(f"worker {worker_id} is not registered")
-            self.db.execute(
-                "INSERT OR IGNORE INTO contents VALUES (?, ?, ?, ?)",
-                [content_id, size_bytes, json.dumps([t.to_json() for t in tensors]), now],
-            )
+            layout = json.dumps([t.to_json() for t in tensors])
+            row = self.db.execute(
+                "SELECT tensors FROM contents WHERE content_id = ?", [content_id]
+            ).fetchone()
+            if row is None:
+                self.db.execute(
+                    "INSERT INTO contents VALUES (?, ?, ?, ?)",
+                    [content_id, size_bytes, layout, now],
+                )
+            elif all(t.hash_hex for t in tensors):
+                stored = [TensorMeta.from_json(t) for t in json.loads(row[0])]
+                if not all(t.hash_hex for t in stored):
+                    _check_same_layout(content_id, stored, tensors)
+                    self.db.execute(
+                        "UPDATE contents SET tensors = ? WHERE content_id = ?",
+                        [layout, content_id],
+                    )
             self.db.execute(
                 "INSERT OR IGNORE INTO replicas (content_id, worker_id, tier, created_at) "
-                "VALUES (?, ?, 'cpu', ?)",
-                [content_id, worker_id, now],
+                "VALUES (?, ?, ?, ?)",
+                [content_id, worker_id, tier, now],
             )
 
     def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None:
@@ -391,3 +412,13 @@ class SqliteStore:
     def counts(self) -> tuple[int, int]:
         with self._lock:
             return self.db.table("artifacts").count, self.db.table("contents").count
+
+
+def _check_same_layout(
+    content_id: str, stored: list[TensorMeta], claimed: tuple[TensorMeta, ...]
+) -> None:
+    def key(ts) -> list:
+        return sorted((t.name, t.dtype, tuple(t.shape), t.offset_bytes) for t in ts)
+
+    if key(stored) != key(claimed):
+        raise InvalidArgument(f"content {content_id}: replica layout differs from the recorded one")

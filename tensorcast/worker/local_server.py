@@ -143,6 +143,9 @@ class _Session:
                 "tensors": [t.to_json() for t in committed.tensors],
                 "deduplicated": committed.deduplicated,
             }
+        if op == "put_reference":
+            committed = self.node.register_reference(str(m["path"]))
+            return {"ok": True, "content_id": committed.content_id}
         if op == "abort":
             reservation_id = int(m["reservation_id"])
             if reservation_id in self.reservations:

@@ -23,6 +23,7 @@ from tensorcast.rpc.convert import (
 )
 from tensorcast.types import Committed, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
+from tensorcast.worker.file_refs import FileReference, FileReferences, describe
 from tensorcast.worker.instances import Instances
 from tensorcast.worker.leases import LeaseCache
 from tensorcast.worker.pages import PageStore
@@ -46,6 +47,8 @@ class WorkerNode:
     ) -> None:
         self.pool = pool
         self.disk = disk
+        self.references = FileReferences()
+        self._loading: dict[str, threading.Lock] = {}
         self.worker_id = uuid.uuid4().hex[:12]
         self.name = name or f"worker-{self.worker_id[:6]}"
         self.roles = roles
@@ -128,8 +131,11 @@ class WorkerNode:
             error = full
         for content_id in self.pool.eviction_candidates():
             found = self.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
-            last_copy = found.exists and not any(
-                r.worker_id != self.worker_id for r in found.replicas
+            # A content registered by reference can always be read from its files again.
+            last_copy = (
+                found.exists
+                and not any(r.worker_id != self.worker_id for r in found.replicas)
+                and self.references.get(content_id) is None
             )
             if last_copy and self.disk is None:
                 continue
@@ -139,7 +145,9 @@ class WorkerNode:
                 log.info("evicted content %s to make room", content_id)
                 self.store.call(
                     "RemoveReplica",
-                    pb.RemoveReplicaRequest(worker_id=self.worker_id, content_id=content_id),
+                    pb.RemoveReplicaRequest(
+                        worker_id=self.worker_id, content_id=content_id, tier="cpu"
+                    ),
                 )
             try:
                 return self.pool.reserve(size_bytes)
@@ -169,13 +177,25 @@ class WorkerNode:
         return True
 
     def load(self, content_id: str) -> None:
-        """Bring a spilled content back into the pool (no-op when it is in memory)."""
-        try:
-            self.pool.get(content_id)
-            return
-        except NotFound:
-            if self.disk is None:
-                raise
+        """Bring a content into the pool from the disk tier or its referenced files (no-op when
+        it is in memory). One load per content at a time; the others wait and find it."""
+        with self._peers_lock:
+            gate = self._loading.setdefault(content_id, threading.Lock())
+        with gate:
+            try:
+                self.pool.get(content_id)
+                return
+            except NotFound:
+                ref = self.references.get(content_id)
+                if ref is not None:
+                    self._load_reference(ref)
+                    return
+                if self.disk is None:
+                    raise
+            self._load_spilled(content_id)
+
+    def _load_spilled(self, content_id: str) -> None:
+        assert self.disk is not None
         _, size, tensors = self.disk.layout(content_id)
         res = self.reserve(size)
         try:
@@ -183,10 +203,53 @@ class WorkerNode:
         except BaseException:
             self.pool.abort(res.reservation_id)
             raise
-        self.commit(res.reservation_id, list(tensors), verify_hashes=True, replica=True)
+        self.commit(
+            res.reservation_id,
+            list(tensors),
+            verify_hashes=True,
+            replica=True,
+            content_id=content_id,
+        )
         self.disk.delete(content_id)
         log.info("loaded content %s back from disk", content_id)
         self._moved_tier(content_id, old_tier="disk")
+
+    def _load_reference(self, ref: FileReference) -> None:
+        """The cold path: read the tensors' byte ranges from the files into the pool. The first
+        read's hashes become the content's; a later read must reproduce them."""
+        res = self.reserve(ref.layout.size_bytes)
+        try:
+            self.references.read_into(ref, self.pool.view, res.offset)
+        except BaseException:
+            self.pool.abort(res.reservation_id)
+            raise
+        committed = self.commit(
+            res.reservation_id,
+            list(ref.tensors),
+            verify_hashes=bool(ref.hashes),
+            replica=True,
+            content_id=ref.content_id,
+        )
+        self.references.learned(ref.content_id, committed.tensors)
+        log.info("read content %s (%d bytes) from its files", ref.content_id, ref.layout.size_bytes)
+
+    def register_reference(self, path: str) -> Committed:
+        """`tc put --by-reference`: describe the files (headers only) and record a "file"
+        replica; no tensor byte is read until the first load."""
+        ref = describe(path)
+        self.references.add(ref)
+        ref = self.references.get(ref.content_id) or ref
+        self.store.call(
+            "AddReplica",
+            pb.AddReplicaRequest(
+                worker_id=self.worker_id,
+                content_id=ref.content_id,
+                size_bytes=ref.layout.size_bytes,
+                tensors=[tensor_to_pb(t) for t in ref.tensors],
+                tier="file",
+            ),
+        )
+        return Committed(ref.content_id, ref.layout.size_bytes, ref.tensors, False)
 
     def _moved_tier(self, content_id: str, old_tier: str) -> None:
         """Tell the store at once: forget the old tier's row, report the new one."""
@@ -202,13 +265,14 @@ class WorkerNode:
         tensors: list[TensorMeta],
         verify_hashes: bool = False,
         replica: bool = False,
+        content_id: str | None = None,
     ) -> Committed:
         """Turn a written reservation into content known to the Global Store.
 
         New content (`replica=False`) that another live worker already holds is dropped here:
         identical content is stored once. A `replica` is a deliberate extra copy (prefetch).
         """
-        result = self.pool.commit(reservation_id, tensors, verify_hashes)
+        result = self.pool.commit(reservation_id, tensors, verify_hashes, content_id)
         content = result.content
         if not result.deduplicated and not replica:
             found = self.store.call(
@@ -274,6 +338,7 @@ class WorkerNode:
             disk_used_bytes=self.disk.used_bytes() if self.disk else 0,
             held_shards=[pb.ShardLease(shard=s, token=t) for s, t in held.items()],
             instances=[instance_to_pb(i) for i in self.instances.infos()],
+            file_content_ids=self.references.content_ids(),
         )
         try:
             reply = self.store.call("Heartbeat", request)
@@ -288,6 +353,8 @@ class WorkerNode:
                 log.info("dropped content %s (no artifact references it)", content_id)
             if self.disk is not None and content_id in request.disk_content_ids:
                 self.disk.delete(content_id)
+            if self.references.remove(content_id, unless_added_after=sent_at):
+                log.info("forgot file reference %s (no artifact references it)", content_id)
 
     def _take_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
         lost = self.leases.update(shard_table_from_pb(table), sent_mono)

@@ -112,13 +112,18 @@ class Pool:
         return self.view[offset : offset + size_bytes]
 
     def commit(
-        self, reservation_id: int, tensors: list[TensorMeta], verify_hashes: bool = False
+        self,
+        reservation_id: int,
+        tensors: list[TensorMeta],
+        verify_hashes: bool = False,
+        content_id: str | None = None,
     ) -> CommitResult:
         """Hash the reservation's tensors and turn it into content.
 
         `tensors` carry offsets relative to the reservation. With `verify_hashes`, their
         `hash_hex` are claims checked against the bytes (IntegrityError, reservation freed).
         Identical content already in the pool wins: the new bytes are freed (deduplicated).
+        `content_id` names content whose identity is not its hashes (registered by reference).
         """
         with self._lock:
             res = self._reservations.get(reservation_id)
@@ -144,7 +149,7 @@ class Pool:
         except BaseException:
             self.abort(reservation_id)
             raise
-        cid = compute_content_id(metas)
+        cid = content_id or compute_content_id(metas)
         with self._lock:
             del self._reservations[reservation_id]
             existing = self._contents.get(cid)
@@ -166,6 +171,10 @@ class Pool:
             if content is None:
                 raise NotFound(f"this worker holds no content {content_id}")
             return content
+
+    def contains(self, content_id: str) -> bool:
+        with self._lock:
+            return content_id in self._contents
 
     def hold(self, content_id: str) -> Content:
         with self._lock:

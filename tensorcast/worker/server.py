@@ -49,6 +49,7 @@ METRIC_HELP = {
     "tc_transfer_sent_bytes_total": "bytes sent to peers by the native data server",
     "tc_transfer_received_bytes_total": "bytes pulled from peers into this worker",
     "tc_transfers_active": "outgoing transfers (open tickets)",
+    "tc_file_read_bytes_total": "bytes read from files registered by reference (the cold path)",
     "tc_heartbeat_age_seconds": "time since the last heartbeat the Global Store acknowledged",
 }
 
@@ -66,10 +67,12 @@ def _samples(node: WorkerNode, transfers: Transfers) -> list[Sample]:
         ),
         ("tc_replicas", {"tier": "cpu"}, stats.num_contents),
         ("tc_replicas", {"tier": "disk"}, len(disk)),
+        ("tc_replicas", {"tier": "file"}, len(node.references.content_ids())),
         ("tc_pinned_replicas", {}, len(stats.pinned_content_ids)),
         ("tc_transfer_sent_bytes_total", {}, transfers.data_server.stats()["bytes_sent"]),
         ("tc_transfer_received_bytes_total", {}, transfers.bytes_received_total),
         ("tc_transfers_active", {}, transfers.active()),
+        ("tc_file_read_bytes_total", {}, node.references.bytes_read_total),
         ("tc_heartbeat_age_seconds", {}, time.monotonic() - node.last_heartbeat_ok),
     ]
 

@@ -10,11 +10,15 @@ from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.convert import shard_table_to_pb, tensor_to_pb, tensors_from_pb
 from tensorcast.transport import native
-from tensorcast.types import Committed
+from tensorcast.types import Committed, TensorMeta
 from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.page_service import PageService
 from tensorcast.worker.plans import PlanExecutor, StepRunner
 from tensorcast.worker.transfers import Transfers
+
+
+def _region_size(tensors: list[TensorMeta]) -> int:
+    return max((t.offset_bytes + t.size_bytes for t in tensors), default=0)
 
 
 def _commit_reply(c: Committed) -> pb.CommitReply:
@@ -60,19 +64,31 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         # torch loads on the first view, not at worker start (it costs ~1.5 s to import).
         from tensorcast.worker.slicing import DimSlice, copy_slices, plan_view
 
-        pool = self.node.pool
-        self.node.load(request.content_id)
+        slices = {
+            s.tensor: [DimSlice(a, b, c) for a, b, c in zip(s.start, s.stop, s.step)]
+            for s in request.slices
+        }
+        if len(slices) != len(request.slices):
+            raise InvalidArgument("a tensor is sliced twice in one view")
+        node, pool = self.node, self.node.pool
+        ref = node.references.get(request.content_id)
+        if ref is not None and not pool.contains(request.content_id):
+            # Registered by reference and not read yet: read only the view's bytes.
+            targets = plan_view(ref.layout.tensors, slices)
+            res = node.reserve(_region_size(targets))
+            try:
+                node.references.copy_view(
+                    ref, slices, pool.region(res.offset, res.size_bytes), targets
+                )
+            except BaseException:
+                pool.abort(res.reservation_id)
+                raise
+            return _commit_reply(node.commit(res.reservation_id, targets))
+        node.load(request.content_id)
         source = pool.hold(request.content_id)
         try:
-            slices = {
-                s.tensor: [DimSlice(a, b, c) for a, b, c in zip(s.start, s.stop, s.step)]
-                for s in request.slices
-            }
-            if len(slices) != len(request.slices):
-                raise InvalidArgument("a tensor is sliced twice in one view")
             targets = plan_view(source.tensors, slices)
-            size = max((t.offset_bytes + t.size_bytes for t in targets), default=0)
-            res = self.node.reserve(size)
+            res = node.reserve(_region_size(targets))
             try:
                 copy_slices(
                     pool.region(source.offset, source.size_bytes),
@@ -84,7 +100,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             except BaseException:
                 pool.abort(res.reservation_id)
                 raise
-            return _commit_reply(self.node.commit(res.reservation_id, targets))
+            return _commit_reply(node.commit(res.reservation_id, targets))
         finally:
             pool.release(source)
 

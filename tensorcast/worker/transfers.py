@@ -157,6 +157,13 @@ class Transfers:
                     ),
                     timeout_s=min(remaining, 10.0),
                 )
+                if not all(t.hash_hex for t in tensors):
+                    # Registered by reference and read for the first time by this open: the
+                    # source has just recorded the hashes.
+                    again = node.store.call(
+                        "FindContent", pb.FindContentRequest(content_id=content_id)
+                    )
+                    tensors = list(tensors_from_pb(again.tensors))
                 res = node.reserve(ticket.size_bytes)
                 try:
                     native.pull(
@@ -175,7 +182,13 @@ class Transfers:
                     raise
                 finally:
                     self._close_remote(peer, ticket.ticket, deadline)
-                node.commit(res.reservation_id, tensors, verify_hashes=True, replica=True)
+                node.commit(
+                    res.reservation_id,
+                    tensors,
+                    verify_hashes=True,
+                    replica=True,
+                    content_id=content_id,
+                )
                 with self._lock:
                     self.bytes_received_total += ticket.size_bytes
                 return PrefetchResult(

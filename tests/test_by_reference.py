@@ -1,0 +1,169 @@
+"""`tc put --by-reference`: files registered without copying, read on first use (cold), kept in
+the pool for the next caller (warm), refused when changed, cut straight from disk for views."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import tensorcast as tc
+from tests.conftest import pool_used, wait_until
+
+
+def _model_dir(path: Path, rows: int = 512, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two shards with an index and a config: ~2 x rows x 1 KiB of float32."""
+    g = torch.Generator().manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    a = {"a.weight": torch.randn(rows, 256, generator=g), "a.bias": torch.randn(256, generator=g)}
+    b = {"b.weight": torch.randn(rows, 256, generator=g).to(torch.bfloat16)}
+    save_file(a, path / "model-00001-of-00002.safetensors")
+    save_file(b, path / "model-00002-of-00002.safetensors")
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in a}
+    weight_map |= {n: "model-00002-of-00002.safetensors" for n in b}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (path / "config.json").write_text('{"model_type": "test"}')
+    return a | b
+
+
+def _file_bytes_read(cluster, worker_name: str) -> float:
+    proc = next(p for p in cluster.record.processes if p.name == worker_name)
+    with urllib.request.urlopen(f"http://{proc.metrics_addr}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("tc_file_read_bytes_total "):
+                return float(line.split()[1])
+    raise AssertionError("tc_file_read_bytes_total missing from /metrics")
+
+
+def _tiers(rt: tc.Runtime, art_id: str) -> dict[str, set[str]]:
+    names = {w.worker_id: w.name for w in rt.workers()}
+    tiers: dict[str, set[str]] = {}
+    for r in rt.info(art_id).replicas:
+        tiers.setdefault(r.tier, set()).add(names[r.worker_id])
+    return tiers
+
+
+def test_registers_without_reading_then_reads_once(fresh_cluster, tmp_path):
+    expected = _model_dir(tmp_path / "model")
+    data_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    with fresh_cluster.connect() as rt:
+        before = pool_used(rt)
+        out = fresh_cluster.tc(
+            "put", "ref-model", str(tmp_path / "model"), "--by-reference", "--json", check=True
+        )
+        reply = json.loads(out.stdout)
+        assert reply["by_reference"] is True and reply["content_id"].startswith("r1-")
+        assert pool_used(rt) == before  # nothing was copied
+        assert _file_bytes_read(fresh_cluster, "worker-1") == 0
+        assert _tiers(rt, "ref-model") == {"file": {"worker-1"}}
+
+        got = rt.artifact("ref-model").tensor_dict()  # cold: read from the files
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+        files = rt.artifact("ref-model").files()
+        assert files["config.json"] == b'{"model_type": "test"}'
+        assert set(files) == {"config.json", "model.safetensors.index.json"}
+        cold = _file_bytes_read(fresh_cluster, "worker-1")
+        # Only the data sections and the small files: no safetensors header byte is read.
+        assert cold == data_bytes + sum(len(v) for v in files.values())
+        assert _tiers(rt, "ref-model") == {"file": {"worker-1"}, "cpu": {"worker-1"}}
+        assert all(t.hash_hex for t in rt.info("ref-model").tensors)  # learned on first read
+
+    with fresh_cluster.connect() as rt:  # a new caller: warm, no file read
+        again = rt.artifact("ref-model").tensor_dict()
+        assert all(torch.equal(again[k], v) for k, v in expected.items())
+        assert _file_bytes_read(fresh_cluster, "worker-1") == cold
+        # Registering the same unchanged files again is the same content.
+        out = fresh_cluster.tc("put", "ref-model-2", str(tmp_path / "model"), "--by-reference")
+        assert out.returncode == 0, out.stderr
+        assert rt.info("ref-model-2").content_id == rt.info("ref-model").content_id
+
+
+def test_changed_or_missing_files_are_refused(fresh_cluster, tmp_path):
+    _model_dir(tmp_path / "model")
+    shard = tmp_path / "model" / "model-00002-of-00002.safetensors"
+    with fresh_cluster.connect() as rt:
+        rt.put_files("changed", tmp_path / "model", by_reference=True)
+        before = pool_used(rt)
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF  # same size, different bytes, new mtime
+        shard.write_bytes(bytes(data))
+        with pytest.raises(tc.IntegrityError, match="changed since it was registered"):
+            rt.artifact("changed").tensor_dict()
+        assert pool_used(rt) == before  # the reservation was given back
+
+        _model_dir(tmp_path / "model2")
+        rt.put_files("gone", tmp_path / "model2", by_reference=True)
+        (tmp_path / "model2" / "model-00001-of-00002.safetensors").unlink()
+        with pytest.raises(tc.Unavailable, match="is gone; put it again"):
+            rt.artifact("gone").tensor_dict()
+        assert pool_used(rt) == before
+
+
+def test_bad_input_registers_nothing(fresh_cluster, tmp_path):
+    (tmp_path / "empty").mkdir()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    with fresh_cluster.connect() as rt:
+        for path in (tmp_path / "empty", bad, tmp_path / "missing"):
+            with pytest.raises(tc.InvalidArgument):
+                rt.put_files("bad", path, by_reference=True)
+        assert [a.art_id for a in rt.list_artifacts()] == []
+    # A caller on a host without a worker cannot hand its files over.
+    _model_dir(tmp_path / "model")
+    out = fresh_cluster.tc(
+        "put", "far", str(tmp_path / "model"), "--by-reference", env={"TC_HOST_ID": "elsewhere"}
+    )
+    assert out.returncode != 0
+    assert "needs a live worker on this host" in out.stderr
+
+
+def test_view_reads_only_its_slice_from_the_files(fresh_cluster, tmp_path):
+    expected = _model_dir(tmp_path / "model", rows=2048)
+    with fresh_cluster.connect() as rt:
+        art = rt.put_files("tp", tmp_path / "model", by_reference=True)
+        rank1 = art.view(
+            {"a.weight": slice(1024, 2048), "b.weight": [slice(None), slice(0, 64)]}, "tp/rank1"
+        )
+        got = rank1.tensor_dict()
+        assert torch.equal(got["a.weight"], expected["a.weight"][1024:])
+        assert torch.equal(got["b.weight"], expected["b.weight"][:, :64])
+        assert torch.equal(got["a.bias"], expected["a.bias"])
+        read = _file_bytes_read(fresh_cluster, "worker-1")
+        assert read == sum(t.size_bytes for t in rank1.info.tensors)
+        assert read < art.size_bytes / 2
+        assert "cpu" not in _tiers(rt, "tp")  # the full model was never loaded
+
+
+def test_cpu_copy_is_evictable_and_read_again(fresh_cluster, tmp_path):
+    """A 64 MiB pool: the by-reference model's pool copy makes room for new data (the files
+    are still there, so it is not a last copy), and a later read loads it again, checked
+    against the hashes of the first read."""
+    expected = _model_dir(tmp_path / "model", rows=24 * 1024)  # ~ 24 + 12 MiB
+    with fresh_cluster.connect() as rt:
+        art = rt.put_files("big", tmp_path / "model", by_reference=True)
+        art.tensor_dict()
+        first = _file_bytes_read(fresh_cluster, "worker-1")
+        rt.put({"x": torch.ones(10 * 1024 * 1024)}, "filler")  # 40 MiB: needs the room
+        wait_until(lambda: "cpu" not in _tiers(rt, "big"), 5)
+        rt.delete("filler")
+        wait_until(lambda: pool_used(rt)["worker-1"] == 0, 10)
+        got = art.tensor_dict()
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+        assert _file_bytes_read(fresh_cluster, "worker-1") == 2 * first
+
+
+def test_peer_pulls_from_the_referencing_worker(cluster, tmp_path):
+    expected = _model_dir(tmp_path / "model")
+    with cluster.connect() as rt:
+        rt.put_files("shared-ref", tmp_path / "model", by_reference=True, worker="worker-1")
+        reply = rt.artifact("shared-ref").prefetch("worker-2")  # worker-1 reads, worker-2 pulls
+        assert reply.bytes_moved == rt.info("shared-ref").size_bytes
+        assert _tiers(rt, "shared-ref")["cpu"] == {"worker-1", "worker-2"}
+        rt.host_id = "another-host"  # read through worker-2's copy over gRPC/TCP, verified
+        got = rt.artifact("shared-ref").tensor_dict()
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
