@@ -86,7 +86,10 @@ class Cluster:
 def start_cluster(state_dir: Path, workers: int = 1, mem: str = "256MiB") -> Iterator[Cluster]:
     result = local_cluster.up(state_dir, workers, mem)
     try:
-        yield Cluster(state_dir, result.record)
+        cluster = Cluster(state_dir, result.record)
+        with cluster.connect() as rt:
+            wait_until(lambda: shards_settled(rt, workers), 30, 0.1)
+        yield cluster
     finally:
         local_cluster.down(state_dir)
 
@@ -108,6 +111,18 @@ def rt(cluster) -> Iterator[tc.Runtime]:
     runtime = cluster.connect()
     yield runtime
     runtime.close()
+
+
+def shards_settled(rt: tc.Runtime, homes: int) -> bool:
+    """Every KV shard held by the home hashing ranks first: lease hand-offs between the
+    cluster's workers (the first to start takes every shard) are over."""
+    from tensorcast.sharding import hrw_rank
+
+    table = rt.shards()
+    return len(table.live_homes) == homes and all(
+        lease.held and lease.holder_worker_id == hrw_rank(lease.shard, table.live_homes)[0]
+        for lease in table.leases
+    )
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import FencingError, InvalidArgument, NotFound
 from tensorcast.sharding import hrw_rank, shard_of
 from tensorcast.store.base import WorkerRegistration
 from tensorcast.store.coordination import SqliteCoordination
@@ -47,6 +47,32 @@ def test_first_bidder_gets_the_lease_and_tokens_grow_on_every_new_holder(coord):
     assert coord.acquire_shards("b", [1], 104.5).leases[1].token == 2
     coord.release_shards("b")
     assert coord.acquire_shards("a", [1], 104.6).leases[1].token == 3
+
+
+def test_only_the_holder_hands_a_shard_off_and_the_token_grows(coord):
+    _worker(coord.store, "a", 100.0)
+    _worker(coord.store, "b", 100.0)
+    _worker(coord.store, "basic-only", 100.0, roles=("basic",))
+    coord.acquire_shards("a", [0, 1], 100.0)
+    with pytest.raises(FencingError):  # not the holder
+        coord.hand_off_shard("b", 0, 1, "b", 100.5)
+    with pytest.raises(FencingError):  # stale token
+        coord.hand_off_shard("a", 0, 7, "b", 100.5)
+    with pytest.raises(InvalidArgument, match="not a live shard-home"):
+        coord.hand_off_shard("a", 0, 1, "basic-only", 100.5)
+    with pytest.raises(InvalidArgument, match="not a live shard-home"):
+        coord.hand_off_shard("a", 0, 1, "nobody", 100.5)
+    assert coord.shard_table(100.5).leases[0].holder_worker_id == "a"  # refusals change nothing
+    table = coord.hand_off_shard("a", 0, 1, "b", 100.5)
+    assert (table.leases[0].holder_worker_id, table.leases[0].token) == ("b", 2)
+    assert table.leases[0].expires_in_s == pytest.approx(TTL)
+    assert (table.leases[1].holder_worker_id, table.leases[1].token) == ("a", 1)
+    coord.renew_shards("a", [(0, 1)], 101.0)  # the old holder's renewal is ignored
+    assert coord.shard_table(101.0).leases[0].holder_worker_id == "b"
+    with pytest.raises(FencingError):  # a lapsed lease cannot be handed off
+        coord.hand_off_shard("a", 1, 1, "b", 104.0)
+    with pytest.raises(InvalidArgument, match="not a live shard-home"):  # a stopped beating
+        coord.hand_off_shard("b", 0, 2, "a", 103.4)
 
 
 def test_only_shard_homes_bid_and_shard_count_is_fixed(coord, tmp_path):

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import start_cluster, wait_until
+from conftest import shards_settled, start_cluster, wait_until
 
 import tensorcast as tc
 from tensorcast.metrics import rpc_counts
@@ -202,3 +202,83 @@ def test_grpc_batches_larger_than_one_message_are_split(cluster):
         pages.put_pages(data, ttl_s=60)
         got = pages.get_pages(list(data))
         assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, data))
+
+
+def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path):
+    """worker-1 homes every shard; a second shard-home joins: each shard hashing ranks it first
+    for moves there with a higher token, its pages copied along, none lost or changed."""
+    import subprocess
+    import sys
+
+    with fresh_cluster.connect() as rt:
+        pages = rt.pages()
+        before = pages.table()
+        first = {lease.holder_worker_id for lease in before.leases}
+        assert len(first) == 1 and all(lease.held for lease in before.leases)
+        data = _pages(120, numel=256, tag=5.0)
+        pages.put_pages(data, ttl_s=600)
+
+        ready = tmp_path / "late.json"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorcast.cli.main",
+                "worker",
+                "start",
+                "--store",
+                fresh_cluster.record.store_addr,
+                "--mem",
+                "64MiB",
+                "--name",
+                "late",
+                "--ready-file",
+                str(ready),
+            ],
+            env={**os.environ, "TC_TOKEN": fresh_cluster.token},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_until(ready.exists, 30)
+            late = next(w for w in rt.workers() if w.name == "late")
+
+            wait_until(lambda: shards_settled(rt, 2), 30, interval_s=0.2)
+            after = pages.table(refresh=True)
+            moved = [
+                s
+                for s in range(after.num_shards)
+                if after.lease(s).holder_worker_id == late.worker_id
+            ]
+            assert moved, "hashing ranks the new home first for some shards"
+            assert all(after.lease(s).token > before.lease(s).token for s in moved)
+            assert all(
+                after.lease(s).token == before.lease(s).token
+                for s in range(after.num_shards)
+                if s not in moved
+            )
+            # Every page is still there, byte for byte, some now served by the new home.
+            got = pages.get_pages(list(data))
+            assert all(
+                g is not None and torch.equal(g.tensor(), data[k]) for g, k in zip(got, data)
+            )
+            on_late = [k for k in data if shard_of(k, after.num_shards) in moved]
+            assert on_late
+            stub = rt.worker_stub(late)
+            reply = stub.call(
+                "GetPages",
+                pb.PageKeys(
+                    keys=[
+                        pb.PageKey(
+                            key=k,
+                            shard=shard_of(k, after.num_shards),
+                            token=after.lease(shard_of(k, after.num_shards)).token,
+                        )
+                        for k in on_late
+                    ]
+                ),
+            )
+            assert [p.key for p in reply.pages] == on_late
+        finally:
+            proc.terminate()
+            proc.wait(10)

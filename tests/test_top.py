@@ -9,9 +9,19 @@ import signal
 import pytest
 import torch
 
+import tensorcast as tc
 from tensorcast.tui.snapshot import ClusterSnapshot, RateHistory
 from tensorcast.tui.top import SdkSource, TopApp
-from tensorcast.types import ArtifactInfo, ReplicaInfo, TensorMeta, WorkerInfo
+from tensorcast.types import (
+    ArtifactInfo,
+    InstanceInfo,
+    PlanRecord,
+    ReplicaInfo,
+    ShardLease,
+    ShardTable,
+    TensorMeta,
+    WorkerInfo,
+)
 
 
 async def _until(pilot, predicate, timeout_s: float = 10.0) -> None:
@@ -30,6 +40,13 @@ def _rows(app: TopApp, view: str) -> list[list[str]]:
 def test_top_shows_the_cluster_and_pins_with_confirmation(fresh_cluster):
     with fresh_cluster.connect() as rt:
         rt.put({"w": torch.ones(4096)}, "top-model")
+        plan = tc.Plan(tc.CallContext(deadline_ms=10_000, idempotency_key="top-plan"))
+        plan.on_worker("worker-1").pin("top-model")
+        trace_id = plan.run(rt)["trace_id"]
+        plan = tc.Plan(tc.CallContext(deadline_ms=10_000, idempotency_key="top-plan-2"))
+        plan.on_worker("worker-1").unpin("top-model")
+        plan.run(rt)
+        num_shards = rt.shards().num_shards
 
     async def scenario():
         app = TopApp(SdkSource(fresh_cluster.connect), interval_s=0.2)
@@ -48,6 +65,17 @@ def test_top_shows_the_cluster_and_pins_with_confirmation(fresh_cluster):
             await pilot.press("escape")  # cancelled: still pinned
             await pilot.pause(0.5)
             assert _rows(app, "artifacts")[0][-1] == "worker-1"
+            await pilot.press("4")  # every shard homed by the only shard-home worker
+            await _until(pilot, lambda: len(_rows(app, "shards")) == num_shards)
+            assert {(r[1], r[4]) for r in _rows(app, "shards")} == {("worker-1", "held")}
+            await pilot.press("5")  # most recent plan first
+            await _until(pilot, lambda: len(_rows(app, "plans")) == 2)
+            plans = _rows(app, "plans")
+            assert [r[1] for r in plans] == ["top-plan-2", "top-plan"]
+            assert plans[1][0] == trace_id and plans[1][2] == "ok" and plans[1][5] == "1"
+            await pilot.press("3")
+            assert _rows(app, "instances") == []  # no engine attached
+            await pilot.press("2")
             await pilot.press("slash")
             await pilot.press(*"nomatch", "enter")
             await _until(pilot, lambda: _rows(app, "artifacts") == [])
@@ -141,7 +169,37 @@ class FixedSource:
                 (ReplicaInfo("id2"),),
             ),
         )
-        return ClusterSnapshot(1000.0, "10.0.0.1:7400", workers, artifacts)
+        instances = (
+            InstanceInfo("engine-a", "id1", "hf", "http://10.0.0.1:8001", 2, 4, 1536, ("r1",)),
+            InstanceInfo("engine-b", "id2", "hf", "", 0, 1, 96, (), 7.5, False, "worker-2"),
+        )
+        shards = ShardTable(
+            4,
+            3.0,
+            tuple(
+                ShardLease(i, holder, token, left)
+                for i, holder, token, left in [
+                    (0, "id1", 3, 2.5),
+                    (1, "id2", 1, 2.9),
+                    (2, "id1", 7, 1.2),
+                    (3, "", 2, 0.0),
+                ]
+            ),
+        )
+        plans = (
+            PlanRecord("move-r1", "t-0002", "ok", {"steps": [{}, {}, {}]}, 990.0, 990.4),
+            PlanRecord(
+                "warm-up",
+                "t-0001",
+                "failed",
+                {"steps": [{}], "error": {"kind": "DeadlineExceeded"}},
+                900.0,
+                905.0,
+            ),
+        )
+        return ClusterSnapshot(
+            1000.0, "10.0.0.1:7400", workers, artifacts, instances, shards, plans
+        )
 
 
 def _fixed_app() -> TopApp:
@@ -149,7 +207,9 @@ def _fixed_app() -> TopApp:
 
 
 @pytest.mark.parametrize(
-    "keys", [[], ["2"], ["2", "enter"]], ids=["workers", "artifacts", "detail"]
+    "keys",
+    [[], ["2"], ["2", "enter"], ["3"], ["4"], ["5"]],
+    ids=["workers", "artifacts", "detail", "instances", "shards", "plans"],
 )
 def test_top_screens_snapshot(snap_compare, keys):
     assert snap_compare(_fixed_app(), press=keys, terminal_size=(120, 24))

@@ -8,18 +8,17 @@ Modes, each in a fresh interpreter (`python weights.py --child ...`):
 
   a       AutoModelForCausalLM.from_pretrained(dir), warm page cache (the parent reads every
           file just before the run)
-  b       the same after dropping the page cache (sync; echo 3 > /proc/sys/vm/drop_caches);
-          skipped, with the reason, when that is not permitted
+  b       the same with the model's files evicted from the page cache (cold)
   c       TensorCast cold path: the directory registered with `tc put --by-reference` (files
-          touched first, so every repeat is a new, never-read content), page cache dropped;
+          touched first, so every repeat is a new, never-read content), files evicted;
           load_model makes the local worker read the tensors' byte ranges into its pool
   d       tensorcast.integrations.transformers.load_model from a local worker that holds the
           model directory as an artifact (stored once with `tc put` before the runs)
   runai   Run:ai model streamer (SafetensorsStreamer) reading the same shards into CPU tensors,
           warm page cache; weight load only (no model is built)
-  runai_cold  the same after dropping the page cache (the baseline for c)
-  dd      raw cold read rate of the shards: `dd if=FILE of=/dev/null bs=16M` after dropping the
-          page cache, GB/s (1e9 bytes/s)
+  runai_cold  the same with the files evicted from the page cache (the baseline for c)
+  dd      raw cold read rate of the shards: `dd if=FILE of=/dev/null bs=16M` with the files
+          evicted from the page cache, GB/s (1e9 bytes/s)
   delta   weight sync: publish v1 of the state dict, a subscriber syncs v1, 10% of the tensors
           (by count, chosen at random) change, publish v2; time the subscriber's sync to v2
           against a full sync (a fresh subscriber syncing v2), and compare bytes moved
@@ -29,10 +28,13 @@ Each model-building child also reports how much its RSS grew after the load and 
 pass: transformers 5 `from_pretrained` on CPU (same dtype as the file) returns tensors backed by
 the mmapped shards, so its "weight load" touches little data and the forward pass faults the pages
 in; "ready" is the figure that compares like with like.
-Figures are the median of `--repeats` runs. The script starts its own cluster (`tc up`) in a
-temporary state dir and always stops it (`tc down`). Prints one JSON line, then a table.
+Figures are the median of `--repeats` runs; cold ratios (c vs dd, c vs runai_cold) are taken
+within each round, then the median, because a VM disk's cold rate varies a lot between rounds;
+the cold modes run in a rotated order each round (see the loop).
+The script starts its own cluster (`tc up`) in a temporary state dir and always stops it
+(`tc down`). Prints one JSON line, then a table.
 
-    python scripts/bench/weights.py                          # ~1.5 GiB, 2 repeats
+    python scripts/bench/weights.py                          # ~1.5 GiB, 4 repeats
     python scripts/bench/weights.py --size-gib 0.5 --repeats 1
 """
 
@@ -56,7 +58,6 @@ from typing import Any
 
 GIB = 1 << 30
 CHILD_TIMEOUT_S = 600
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 _SCRUB_ENV = ("TC_ADDR", "TC_TOKEN", "TC_STATE_DIR")
 PROMPT_IDS = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
 ART_ID = "bench-llama@v1"
@@ -67,11 +68,11 @@ GOAL_C_VS_DD = 0.90
 BENCH_MODES = ("a", "b", "c", "d", "runai", "runai_cold")
 MODE_DOC = {
     "a": "from_pretrained, warm page cache",
-    "b": "from_pretrained, page cache dropped (cold)",
-    "c": "tensorcast load_model, by reference, page cache dropped (cold)",
+    "b": "from_pretrained, files evicted (cold)",
+    "c": "tensorcast load_model, by reference, files evicted (cold)",
     "d": "tensorcast load_model, local worker (warm)",
     "runai": "runai SafetensorsStreamer -> CPU tensors (load only, warm)",
-    "runai_cold": "runai SafetensorsStreamer, page cache dropped (load only, cold)",
+    "runai_cold": "runai SafetensorsStreamer, files evicted (load only, cold)",
 }
 
 
@@ -336,15 +337,17 @@ def run_child(*args: str) -> dict[str, Any]:
     return out
 
 
-def drop_caches() -> str | None:
-    """Drop the page cache; returns why not, or None."""
-    try:
-        os.sync()
-        with open(DROP_CACHES, "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as e:
-        return f"cannot drop the page cache: {e}"
+def evict(model_dir: Path) -> None:
+    """Make the model's files cold: written back, then dropped from the page cache
+    (posix_fadvise DONTNEED). Only these files: dropping every cache (drop_caches) would also
+    make the Python libraries cold, and their page faults would land inside the timed loads."""
+    os.sync()
+    for p in model_dir.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def warm_files(files: list[Path]) -> None:
@@ -357,9 +360,7 @@ def warm_files(files: list[Path]) -> None:
 def dd_rate(files: list[Path]) -> dict[str, Any]:
     if shutil.which("dd") is None:
         return {"skipped": "dd not found"}
-    why = drop_caches()
-    if why:
-        return {"skipped": why}
+    evict(files[0].parent)
     total = 0
     t0 = time.perf_counter()
     for p in files:
@@ -391,7 +392,7 @@ def fmt(x: Any, unit: str = "s") -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.5)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--delta-fraction", type=float, default=0.10)
     ap.add_argument("--mem", default="8GiB", help="worker memory for `tc up`")
@@ -466,50 +467,57 @@ def main() -> int:
         )
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in BENCH_MODES}
         dd_runs: list[dict[str, Any]] = []
-        cold_skip = None
-        for _ in range(args.repeats):
+        if not skip.issuperset({"runai", "runai_cold"}):
+            try:
+                import runai_model_streamer  # noqa: F401
+            except ImportError as e:
+                why = f"runai-model-streamer not installed ({e})"
+                modes["runai"] = modes["runai_cold"] = {"skipped": why}
+                skip |= {"runai", "runai_cold"}
+
+        def cold_b() -> None:
+            evict(model_dir)
+            runs["b"].append(run_child("hf", str(model_dir)))
+
+        def cold_c() -> None:
+            # Touched files are a new reference: never read, nothing of it in the pool.
+            for p in model_dir.iterdir():
+                os.utime(p)
+            ref_id = f"{ART_ID}-ref{len(runs['c'])}"
+            tc_cli("put", ref_id, str(model_dir), "--by-reference", "--state-dir", str(state_dir))
+            evict(model_dir)
+            runs["c"].append(run_child("tc", str(state_dir), ref_id))
+            tc_cli("rm", ref_id, "--state-dir", str(state_dir))
+
+        def cold_runai() -> None:
+            evict(model_dir)
+            runs["runai_cold"].append(run_child("runai", str(model_dir)))
+
+        cold = [
+            fn
+            for m, fn in (("b", cold_b), ("c", cold_c), ("runai_cold", cold_runai))
+            if m not in skip
+        ]
+        if "dd" not in skip:
+            cold.append(lambda: dd_runs.append(dd_rate(files)))
+        for round_ in range(args.repeats):
             if "a" not in skip:
                 warm_files(files)
                 runs["a"].append(run_child("hf", str(model_dir)))
-            if "b" not in skip and cold_skip is None:
-                cold_skip = drop_caches()
-                if cold_skip is None:
-                    runs["b"].append(run_child("hf", str(model_dir)))
-            if "c" not in skip and cold_skip is None:
-                # Touched files are a new reference: never read, nothing of it in the pool.
-                for p in model_dir.iterdir():
-                    os.utime(p)
-                ref_id = f"{ART_ID}-ref{len(runs['c'])}"
-                tc_cli(
-                    "put", ref_id, str(model_dir), "--by-reference", "--state-dir", str(state_dir)
-                )
-                cold_skip = drop_caches()
-                if cold_skip is None:
-                    runs["c"].append(run_child("tc", str(state_dir), ref_id))
-                tc_cli("rm", ref_id, "--state-dir", str(state_dir))
             if "d" not in skip:
                 runs["d"].append(run_child("tc", str(state_dir), ART_ID))
-            if not skip.issuperset({"runai", "runai_cold"}):
-                try:
-                    import runai_model_streamer  # noqa: F401
-                except ImportError as e:
-                    why = f"runai-model-streamer not installed ({e})"
-                    modes["runai"] = modes["runai_cold"] = {"skipped": why}
-                    skip |= {"runai", "runai_cold"}
             if "runai" not in skip:
                 warm_files(files)
                 runs["runai"].append(run_child("runai", str(model_dir)))
-            if "runai_cold" not in skip and cold_skip is None:
-                cold_skip = drop_caches()
-                if cold_skip is None:
-                    runs["runai_cold"].append(run_child("runai", str(model_dir)))
-            if "dd" not in skip:
-                dd_runs.append(dd_rate(files))
+            # The VM's disk has caches of its own below the guest's page cache, so a cold read
+            # right after another read of the same files can be faster: rotate the cold modes'
+            # order every round so none always follows the same one.
+            k = round_ % max(1, len(cold))
+            for fn in cold[k:] + cold[:k]:
+                fn()
         for m in BENCH_MODES:
             if m in skip:
                 modes.setdefault(m, {"skipped": "--skip"})
-            elif m in ("b", "c", "runai_cold") and cold_skip:
-                modes[m] = {"skipped": cold_skip}
             else:
                 modes[m] = median_of(runs[m], keys)
         if "dd" in skip:
@@ -550,14 +558,26 @@ def main() -> int:
     b_load = modes.get("b", {}).get("load_s")
     if b_load and d_load:
         ratios["d_vs_b_load"] = b_load / d_load
-    c_load = modes.get("c", {}).get("load_s")
-    dd_rate_gbs = result.get("dd", {}).get("gb_per_s")
-    file_bytes = result.get("model", {}).get("file_bytes")
-    if c_load and dd_rate_gbs and file_bytes:
-        ratios["c_rate_vs_dd"] = file_bytes / c_load / 1e9 / dd_rate_gbs
-    runai_cold = modes.get("runai_cold", {}).get("load_s")
-    if c_load and runai_cold:
-        ratios["c_vs_runai_cold_load"] = runai_cold / c_load
+    # The disk of a VM is noisy (cold reads vary 2x between rounds), so cold figures are
+    # compared within each round (c, runai_cold and dd run back to back), then the median.
+    file_bytes = result.get("model", {}).get("file_bytes") or 0
+    c_runs = modes.get("c", {}).get("runs", [])
+    dd_per_round = result.get("dd", {}).get("runs", [])
+    rai_runs = modes.get("runai_cold", {}).get("runs", [])
+    vs_dd = [
+        file_bytes / c["load_s"] / 1e9 / d["gb_per_s"]
+        for c, d in zip(c_runs, dd_per_round)
+        if "load_s" in c and "gb_per_s" in d
+    ]
+    if vs_dd:
+        ratios["c_rate_vs_dd"] = statistics.median(vs_dd)
+    vs_rai = [
+        r["load_s"] / c["load_s"]
+        for c, r in zip(c_runs, rai_runs)
+        if "load_s" in c and "load_s" in r
+    ]
+    if vs_rai:
+        ratios["c_vs_runai_cold_load"] = statistics.median(vs_rai)
     result["ratios"] = ratios
     delta = result.get("delta", {})
     goals: dict[str, Any] = {

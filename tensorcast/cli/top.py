@@ -1,5 +1,6 @@
-"""Live view of the cluster: workers and artifacts (keys: 1/2 views, s sort, / filter,
-Enter detail, p/u/f pin/unpin/prefetch with confirmation, q quit)."""
+"""Live view of the cluster: workers, artifacts, engine instances, KV shards and recent plans
+(keys: 1-5 views, s sort, / filter, Enter detail, p/u/f pin/unpin/prefetch with confirmation,
+q quit)."""
 
 from __future__ import annotations
 

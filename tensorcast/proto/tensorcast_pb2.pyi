@@ -180,6 +180,18 @@ class AcquireShardsRequest(_message.Message):
     shards: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, worker_id: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class HandOffShardRequest(_message.Message):
+    __slots__ = ("worker_id", "shard", "token", "to_worker_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TO_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    shard: int
+    token: int
+    to_worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., shard: _Optional[int] = ..., token: _Optional[int] = ..., to_worker_id: _Optional[str] = ...) -> None: ...
+
 class Instance(_message.Message):
     __slots__ = ("instance_id", "worker_id", "engine", "endpoint", "waiting", "running", "cached_tokens", "requests", "heartbeat_age_s", "alive", "worker_name")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -543,12 +555,14 @@ class Page(_message.Message):
     def __init__(self, key: _Optional[str] = ..., shard: _Optional[int] = ..., token: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class PutPagesRequest(_message.Message):
-    __slots__ = ("pages", "ttl_s")
+    __slots__ = ("pages", "ttl_s", "if_absent")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    IF_ABSENT_FIELD_NUMBER: _ClassVar[int]
     pages: _containers.RepeatedCompositeFieldContainer[Page]
     ttl_s: float
-    def __init__(self, pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    if_absent: bool
+    def __init__(self, pages: _Optional[_Iterable[_Union[Page, _Mapping]]] = ..., ttl_s: _Optional[float] = ..., if_absent: _Optional[bool] = ...) -> None: ...
 
 class PageKey(_message.Message):
     __slots__ = ("key", "shard", "token")

@@ -109,6 +109,11 @@ class GlobalStoreStub:
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.AcquireShardsRequest.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
                 _registered_method=True)
+        self.HandOffShard = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/HandOffShard',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.HandOffShardRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
+                _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/tensorcast.v1.GlobalStore/ListInstances',
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
@@ -229,6 +234,12 @@ class GlobalStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandOffShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListInstances(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -336,6 +347,11 @@ def add_GlobalStoreServicer_to_server(servicer, server):
             'AcquireShards': grpc.unary_unary_rpc_method_handler(
                     servicer.AcquireShards,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.AcquireShardsRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.SerializeToString,
+            ),
+            'HandOffShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOffShard,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.HandOffShardRequest.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
@@ -768,6 +784,33 @@ class GlobalStore:
             target,
             '/tensorcast.v1.GlobalStore/AcquireShards',
             tensorcast_dot_proto_dot_tensorcast__pb2.AcquireShardsRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOffShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/HandOffShard',
+            tensorcast_dot_proto_dot_tensorcast__pb2.HandOffShardRequest.SerializeToString,
             tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
             options,
             channel_credentials,

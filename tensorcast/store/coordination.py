@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import FencingError, InvalidArgument, NotFound
 from tensorcast.store.sqlite_store import SqliteStore
 from tensorcast.types import InstanceInfo, PlanRecord, ShardLease, ShardTable
 
@@ -115,6 +115,36 @@ class SqliteCoordination:
                         "expires_at = ? WHERE shard = ?",
                         [worker_id, lease[1] + 1, expires_at, shard],
                     )
+            return self._table(now)
+
+    def hand_off_shard(
+        self, worker_id: str, shard: int, token: int, to_worker_id: str, now: float
+    ) -> ShardTable:
+        """Move a held lease to another live shard-home worker, bumping the token (fencing the
+        old holder). Only the holder, under its current token, may give a shard away."""
+        with self._lock, self.db.conn:
+            lease = self.db.execute(
+                "SELECT holder_worker_id, fencing_token, expires_at FROM shard_leases "
+                "WHERE shard = ?",
+                [shard],
+            ).fetchone()
+            if lease is None or lease[0] != worker_id or lease[1] != token or lease[2] <= now:
+                raise FencingError(
+                    f"worker {worker_id} does not hold shard {shard} under token {token}"
+                )
+            row = self.db.execute(
+                "SELECT roles, last_heartbeat FROM workers WHERE worker_id = ?", [to_worker_id]
+            ).fetchone()
+            ttl = self.store.heartbeat_ttl_s
+            if row is None or row[1] < now - ttl or SHARD_HOME_ROLE not in json.loads(row[0]):
+                raise InvalidArgument(
+                    f"worker {to_worker_id} is not a live shard-home worker: no hand-off"
+                )
+            self.db.execute(
+                "UPDATE shard_leases SET holder_worker_id = ?, fencing_token = ?, "
+                "expires_at = ? WHERE shard = ?",
+                [to_worker_id, token + 1, now + ttl, shard],
+            )
             return self._table(now)
 
     def renew_shards(self, worker_id: str, held: list[tuple[int, int]], now: float) -> None:

@@ -157,6 +157,12 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         table = self.coord.acquire_shards(request.worker_id, list(request.shards), time.time())
         return shard_table_to_pb(table)
 
+    def HandOffShard(self, request, context):
+        table = self.coord.hand_off_shard(
+            request.worker_id, request.shard, request.token, request.to_worker_id, time.time()
+        )
+        return shard_table_to_pb(table)
+
     def ListInstances(self, request, context):
         instances = self.coord.list_instances(time.time())
         return pb.ListInstancesReply(instances=[instance_to_pb(i) for i in instances])

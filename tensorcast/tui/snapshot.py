@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tensorcast.types import ArtifactInfo, WorkerInfo
+from tensorcast.types import ArtifactInfo, InstanceInfo, PlanRecord, ShardTable, WorkerInfo
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -16,7 +16,13 @@ class ClusterSnapshot:
     store_addr: str = ""
     workers: tuple[WorkerInfo, ...] = ()
     artifacts: tuple[ArtifactInfo, ...] = ()
+    instances: tuple[InstanceInfo, ...] = ()
+    shards: ShardTable | None = None
+    plans: tuple[PlanRecord, ...] = ()  # most recent first
     error: str = ""  # set when the cluster could not be reached
+
+
+PLANS_SHOWN = 100
 
 
 def fetch(rt) -> ClusterSnapshot:
@@ -25,6 +31,9 @@ def fetch(rt) -> ClusterSnapshot:
         store_addr=rt.store_addr,
         workers=tuple(rt.workers()),
         artifacts=tuple(rt.list_artifacts()),
+        instances=tuple(rt.instances()),
+        shards=rt.shards(),
+        plans=tuple(rt.plans(PLANS_SHOWN)),
     )
 
 

@@ -1,5 +1,6 @@
-"""`tc top`: workers and artifacts of a cluster, live. Reads through a `Source`, so it runs
-against any cluster address (and against fixed data in snapshot tests)."""
+"""`tc top`: workers, artifacts, engine instances, KV shards and recent plans of a cluster, live.
+Reads through a `Source`, so it runs against any cluster address (and against fixed data in
+snapshot tests)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,31 @@ from tensorcast.config import format_size
 from tensorcast.tui.snapshot import ClusterSnapshot, RateHistory
 from tensorcast.types import ArtifactInfo
 
-WORKER_COLUMNS = ("NAME", "ROLES", "MEMORY", "REPLICAS", "RATE", "TREND", "HEARTBEAT", "HEALTH")
-ARTIFACT_COLUMNS = ("ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "PINNED ON")
+COLUMNS = {
+    "workers": ("NAME", "ROLES", "MEMORY", "REPLICAS", "RATE", "TREND", "HEARTBEAT", "HEALTH"),
+    "artifacts": ("ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "PINNED ON"),
+    "instances": (
+        "ID",
+        "ENGINE",
+        "WORKER",
+        "ENDPOINT",
+        "WAITING",
+        "RUNNING",
+        "CACHED TOKENS",
+        "REQUESTS",
+        "HEARTBEAT",
+        "HEALTH",
+    ),
+    "shards": ("SHARD", "HOME", "TOKEN", "LEASE LEFT", "STATE"),
+    "plans": ("TRACE", "KEY", "STATUS", "STARTED", "DURATION", "STEPS", "ERROR"),
+}
+TITLES = {
+    "workers": "Workers [1]",
+    "artifacts": "Artifacts [2]",
+    "instances": "Instances [3]",
+    "shards": "Shards [4]",
+    "plans": "Plans [5]",
+}
 
 
 class Source(Protocol):
@@ -105,6 +129,9 @@ class TopApp(App[None]):
     BINDINGS = [
         Binding("1", "show('workers')", "Workers"),
         Binding("2", "show('artifacts')", "Artifacts"),
+        Binding("3", "show('instances')", "Instances"),
+        Binding("4", "show('shards')", "Shards"),
+        Binding("5", "show('plans')", "Plans"),
         Binding("s", "sort", "Sort"),
         Binding("slash", "filter", "Filter"),
         Binding("enter", "detail", "Detail", show=False),
@@ -124,7 +151,8 @@ class TopApp(App[None]):
         self.clock = clock
         self.snapshot = ClusterSnapshot(taken_at=0.0)
         self.rates = RateHistory()
-        self.sort_column = {"workers": 0, "artifacts": 0}
+        self.sort_column = dict.fromkeys(COLUMNS, 0)
+        self.sort_column["plans"] = COLUMNS["plans"].index("STARTED")  # most recent first
         self.filter_text = ""
 
     def compose(self) -> ComposeResult:
@@ -132,10 +160,9 @@ class TopApp(App[None]):
         yield Static("", id="banner")
         yield Input(placeholder="filter (Enter to apply, empty to clear)", id="filter")
         with TabbedContent(initial="workers"):
-            with TabPane("Workers [1]", id="workers"):
-                yield DataTable(id="workers-table", cursor_type="row", zebra_stripes=True)
-            with TabPane("Artifacts [2]", id="artifacts"):
-                yield DataTable(id="artifacts-table", cursor_type="row", zebra_stripes=True)
+            for view, title in TITLES.items():
+                with TabPane(title, id=view):
+                    yield DataTable(id=f"{view}-table", cursor_type="row", zebra_stripes=True)
         yield Static("connecting...", id="status")
         yield Footer()
 
@@ -145,12 +172,9 @@ class TopApp(App[None]):
         self.status = self.query_one("#status", Static)
         self.filter_box = self.query_one("#filter", Input)
         self.tabs = self.query_one(TabbedContent)
-        self.tables = {
-            "workers": self.query_one("#workers-table", DataTable),
-            "artifacts": self.query_one("#artifacts-table", DataTable),
-        }
-        self.tables["workers"].add_columns(*WORKER_COLUMNS)
-        self.tables["artifacts"].add_columns(*ARTIFACT_COLUMNS)
+        self.tables = {view: self.query_one(f"#{view}-table", DataTable) for view in COLUMNS}
+        for view, columns in COLUMNS.items():
+            self.tables[view].add_columns(*columns)
         self.tables["workers"].focus()
         self.action_refresh()
         self.set_interval(self.interval_s, self.action_refresh)
@@ -226,18 +250,78 @@ class TopApp(App[None]):
                 )
             )
         self._fill("artifacts", rows)
+        self._fill("instances", self._instance_rows(names))
+        self._fill("shards", self._shard_rows(names))
+        self._fill("plans", self._plan_rows())
         alive = sum(w.alive for w in s.workers)
         self.status.update(
             f"store {s.store_addr} | {alive}/{len(s.workers)} workers alive | "
-            f"{len(s.artifacts)} artifacts | filter: {self.filter_text or '-'}"
+            f"{len(s.artifacts)} artifacts | {len(s.instances)} instances | "
+            f"filter: {self.filter_text or '-'}"
         )
+
+    def _instance_rows(self, names: dict[str, str]) -> list[tuple[str, list[str]]]:
+        return [
+            (
+                i.instance_id,
+                [
+                    i.instance_id,
+                    i.engine,
+                    i.worker_name or names.get(i.worker_id, i.worker_id),
+                    i.endpoint or "-",
+                    str(i.waiting),
+                    str(i.running),
+                    str(i.cached_tokens),
+                    str(len(i.requests)),
+                    f"{i.heartbeat_age_s:.1f}s",
+                    "healthy" if i.alive else "dead",
+                ],
+            )
+            for i in self.snapshot.instances
+        ]
+
+    def _shard_rows(self, names: dict[str, str]) -> list[tuple[str, list[str]]]:
+        table = self.snapshot.shards
+        if table is None:
+            return []
+        return [
+            (
+                str(lease.shard),
+                [
+                    str(lease.shard),
+                    names.get(lease.holder_worker_id, lease.holder_worker_id or "-"),
+                    str(lease.token),
+                    f"{lease.expires_in_s:.1f}s" if lease.held else "-",
+                    "held" if lease.held else "free",
+                ],
+            )
+            for lease in table.leases
+        ]
+
+    def _plan_rows(self) -> list[tuple[str, list[str]]]:
+        now = self.clock()
+        return [
+            (
+                p.trace_id,
+                [
+                    p.trace_id,
+                    p.idempotency_key,
+                    p.status,
+                    f"{now - p.created_at:.0f}s ago",
+                    f"{p.finished_at - p.created_at:.3f}s" if p.finished_at else "-",
+                    str(len(p.result.get("steps", []))),
+                    (p.result.get("error") or {}).get("kind", ""),
+                ],
+            )
+            for p in self.snapshot.plans
+        ]
 
     def _fill(self, view: str, rows: list[tuple[str, list[str]]]) -> None:
         table = self.tables[view]
         if self.filter_text:
             rows = [r for r in rows if any(self.filter_text in c for c in r[1])]
         column = self.sort_column[view]
-        rows.sort(key=lambda r: r[1][column])
+        rows.sort(key=lambda r: _sort_key(r[1][column]))
         selected = self._selected_key(table)
         table.clear()
         for key, cells in rows:
@@ -264,7 +348,7 @@ class TopApp(App[None]):
 
     def action_sort(self) -> None:
         view = self._view()
-        columns = WORKER_COLUMNS if view == "workers" else ARTIFACT_COLUMNS
+        columns = COLUMNS[view]
         self.sort_column[view] = (self.sort_column[view] + 1) % len(columns)
         self.notify(f"sorted by {columns[self.sort_column[view]]}")
         self.render_tables()
@@ -315,6 +399,14 @@ class TopApp(App[None]):
             return
         self.call_from_thread(self.notify, f"{operation} {art_id} on {worker}: done")
         self.call_from_thread(self.action_refresh)
+
+
+def _sort_key(cell: str) -> tuple[int, float, str]:
+    """Numbers ("12", "0.4s", "3s ago") in numeric order, before any text."""
+    try:
+        return (0, float(cell.split(" ", 1)[0].rstrip("s")), cell)
+    except ValueError:
+        return (1, 0.0, cell)
 
 
 class SdkSource:

@@ -57,6 +57,29 @@ class LeaseCache:
                 f"stale fencing token {token} for shard {shard}: the current token is {entry[0]}"
             )
 
+    def is_newer(self, shard: int, token: int) -> bool:
+        """True if `token` is newer than the one in our table for `shard` (we missed a move)."""
+        with self._lock:
+            table = self.table
+        if table is None or not 0 <= shard < table.num_shards:
+            return table is None
+        return token > table.lease(shard).token
+
+    def to_hand_off(self) -> list[tuple[int, int, str]]:
+        """(shard, token, new home) for held shards that hashing ranks another live home first
+        for: a home that joined after we took the shard."""
+        with self._lock:
+            table = self.table
+            held = {s: tok for s, (tok, _) in self._held.items()}
+        if table is None or self.worker_id not in table.live_homes:
+            return []
+        moves = []
+        for shard, token in sorted(held.items()):
+            first = hrw_rank(shard, table.live_homes)[0]
+            if first != self.worker_id:
+                moves.append((shard, token, first))
+        return moves
+
     def to_acquire(self, interval_s: float) -> list[int]:
         """Free shards this worker should bid for: it ranks in the top k of live homes, and the
         better-ranked candidates had `rank` heartbeat intervals to take the shard first."""

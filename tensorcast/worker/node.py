@@ -11,7 +11,14 @@ import uuid
 from collections.abc import Callable
 
 from tensorcast.config import host_id
-from tensorcast.errors import NotFound, ResourceExhausted, TensorcastError
+from tensorcast.errors import (
+    FencingError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TensorcastError,
+)
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
@@ -21,7 +28,7 @@ from tensorcast.rpc.convert import (
     tensor_to_pb,
     tensors_from_pb,
 )
-from tensorcast.types import Committed, TensorMeta
+from tensorcast.types import Committed, ShardLease, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.file_refs import FileReference, FileReferences, describe
 from tensorcast.worker.instances import Instances
@@ -30,6 +37,9 @@ from tensorcast.worker.pages import PageStore
 from tensorcast.worker.pool import Pool, Reservation
 
 log = logging.getLogger("tensorcast.worker")
+
+HANDOFFS_PER_BEAT = 2  # shards given to a newly joined home per heartbeat (spreads the copying)
+REFRESH_MIN_INTERVAL_S = 0.05
 
 ROLES = ("basic", "gateway", "shard-home")
 
@@ -79,6 +89,7 @@ class WorkerNode:
         self._peers: dict[tuple[str, str], Stub] = {}
         self._peers_lock = threading.Lock()
         self._beat_lock = threading.Lock()
+        self._last_refresh = 0.0
 
     def peer(self, worker_id: str, addr: str, name: str = "") -> Stub:
         """A cached stub for another worker's service."""
@@ -217,9 +228,11 @@ class WorkerNode:
     def _load_reference(self, ref: FileReference) -> None:
         """The cold path: read the tensors' byte ranges from the files into the pool. The first
         read's hashes become the content's; a later read must reproduce them."""
+        started = time.monotonic()
         res = self.reserve(ref.layout.size_bytes)
         try:
             self.references.read_into(ref, self.pool.view, res.offset)
+            read_s = time.monotonic() - started
         except BaseException:
             self.pool.abort(res.reservation_id)
             raise
@@ -231,7 +244,14 @@ class WorkerNode:
             content_id=ref.content_id,
         )
         self.references.learned(ref.content_id, committed.tensors)
-        log.info("read content %s (%d bytes) from its files", ref.content_id, ref.layout.size_bytes)
+        log.info(
+            "read content %s from its files: %d bytes in %.3fs (%.2f GB/s), %.3fs in total",
+            ref.content_id,
+            ref.layout.size_bytes,
+            read_s,
+            ref.layout.size_bytes / max(read_s, 1e-9) / 1e9,
+            time.monotonic() - started,
+        )
 
     def register_reference(self, path: str) -> Committed:
         """`tc put --by-reference`: describe the files (headers only) and record a "file"
@@ -356,13 +376,29 @@ class WorkerNode:
             if self.references.remove(content_id, unless_added_after=sent_at):
                 log.info("forgot file reference %s (no artifact references it)", content_id)
 
-    def _take_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
+    def refresh_leases(self) -> None:
+        """Fetch the lease table now (a page operation named a lease newer than ours). At most
+        one fetch per REFRESH_MIN_INTERVAL_S: a caller arriving sooner waits for its turn."""
+        with self._beat_lock:
+            wait = self._last_refresh + REFRESH_MIN_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            sent = self._last_refresh = time.monotonic()
+            table = self.store.call("ListShards", pb.Empty(), timeout_s=5.0)
+            self._apply_shard_table(table, sent)
+
+    def _apply_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
         lost = self.leases.update(shard_table_from_pb(table), sent_mono)
         if lost:
             dropped = self.pages.drop_shards(lost)
             log.info("lost shards %s: dropped %d pages", sorted(lost), dropped)
+
+    def _take_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
+        self._apply_shard_table(table, sent_mono)
         if "shard-home" not in self.roles:
             return
+        for shard, token, to in self.leases.to_hand_off()[:HANDOFFS_PER_BEAT]:
+            self._hand_off(shard, token, to)
         wanted = self.leases.to_acquire(self.heartbeat_interval_s)
         if wanted:
             sent_mono = time.monotonic()
@@ -373,6 +409,95 @@ class WorkerNode:
             got = sorted(set(wanted) & set(self.leases.held()))
             if got:
                 log.info("now home of shards %s", got)
+
+    def _hand_off(self, shard: int, token: int, to: str) -> None:
+        """Give `shard` to the home hashing ranks first (under the heartbeat lock, so lease
+        tables still apply in order), then copy its pages there in the background, keeping any
+        the new home already has. Until a page is copied, reads of it find it absent."""
+        pages = self.pages.home_pages(shard)
+        sent = time.monotonic()
+        try:
+            reply = self.store.call(
+                "HandOffShard",
+                pb.HandOffShardRequest(
+                    worker_id=self.worker_id, shard=shard, token=token, to_worker_id=to
+                ),
+            )
+        except (FencingError, InvalidArgument) as e:
+            log.info("no hand-off of shard %d: %s", shard, e)
+            return
+        table = shard_table_from_pb(reply)
+        lost = self.leases.update(table, sent)
+        threading.Thread(
+            target=self._finish_hand_off,
+            args=(table.lease(shard), pages, lost | {shard}),
+            name=f"hand-off-{shard}",
+            daemon=True,
+        ).start()
+
+    def _finish_hand_off(self, lease: ShardLease, pages: list, drop: set[int]) -> None:
+        copied = 0
+        try:
+            copied = self._copy_pages(pages, lease.holder_worker_id, lease.holder_addr, lease.token)
+        except TensorcastError as e:
+            log.warning("shard %d: pages not copied to its new home (%s)", lease.shard, e)
+        finally:
+            self.pages.drop_shards(drop)
+        log.info(
+            "handed shard %d to %s (token %d): copied %d of %d pages",
+            lease.shard,
+            lease.holder_worker_id,
+            lease.token,
+            copied,
+            len(pages),
+        )
+
+    def _copy_pages(self, pages: list, home_id: str, home_addr: str, token: int) -> int:
+        """PutPages (if absent) in batches below the gRPC message limit, each with the shortest
+        TTL left in it, so no page outlives its original expiry."""
+        from tensorcast.worker.page_service import MAX_REPLY_BYTES
+
+        peer = self.peer(home_id, home_addr)
+        batch: list[tuple[pb.Page, float]] = []  # page, monotonic expiry
+        copied, size = 0, 0
+
+        def flush() -> int:
+            if not batch:
+                return 0
+            ttl = batch[0][1] - time.monotonic()
+            if ttl <= 0:
+                return 0
+            peer.call(
+                "PutPages",
+                pb.PutPagesRequest(pages=[p for p, _ in batch], ttl_s=ttl, if_absent=True),
+                timeout_s=10.0,
+            )
+            return len(batch)
+
+        for page in pages:  # soonest to expire first
+            try:
+                data = self.pages.read(page)
+            except IntegrityError:
+                continue  # evicted meanwhile
+            if batch and size + len(data) > MAX_REPLY_BYTES:
+                copied += flush()
+                batch, size = [], 0
+            batch.append(
+                (
+                    pb.Page(
+                        key=page.key,
+                        shard=page.shard,
+                        token=token,
+                        dtype=page.dtype,
+                        shape=list(page.shape),
+                        data=data,
+                        hash=page.hash_hex,
+                    ),
+                    page.expires_at,
+                )
+            )
+            size += len(data)
+        return copied + flush()
 
     def heartbeat_loop(self, interval_s: float, on_tick: Callable[[], None]) -> None:
         self.heartbeat_interval_s = interval_s

@@ -36,16 +36,27 @@ class PageService:
         self.store = node.pages
 
     def _check(self, shard_tokens: set[tuple[int, int]]) -> None:
-        for shard, token in shard_tokens:
-            self.node.leases.check(shard, token)
+        try:
+            for shard, token in shard_tokens:
+                self.node.leases.check(shard, token)
+        except errors.FencingError:
+            # A token newer than our table: a lease just moved here (a hand-off). Learn it
+            # from the store now; older tokens never cost a store request.
+            if not any(self.node.leases.is_newer(s, t) for s, t in shard_tokens):
+                raise
+            self.node.refresh_leases()
+            for shard, token in shard_tokens:
+                self.node.leases.check(shard, token)
 
     # -- homed pages ---------------------------------------------------------------------------
 
-    def put(self, pages: list[pb.Page], ttl_s: float) -> None:
+    def put(self, pages: list[pb.Page], ttl_s: float, if_absent: bool = False) -> None:
         self._check({(p.shard, p.token) for p in pages})
         if sum(len(p.data) for p in pages) > self.node.pool.capacity_bytes:
             raise errors.ResourceExhausted("the batch is larger than this worker's pool")
-        self.store.put([(_write(p, len(p.data)), p.data) for p in pages], ttl_s, home=True)
+        self.store.put(
+            [(_write(p, len(p.data)), p.data) for p in pages], ttl_s, home=True, if_absent=if_absent
+        )
 
     def commit_local(self, writes: list[PageWrite], ttl_s: float) -> None:
         try:

@@ -122,9 +122,12 @@ class PageStore:
         for offset in offsets:
             self.pool.free(offset)
 
-    def commit(self, writes: list[PageWrite], ttl_s: float, home: bool) -> None:
+    def commit(
+        self, writes: list[PageWrite], ttl_s: float, home: bool, if_absent: bool = False
+    ) -> None:
         """Index written pages after checking their hashes. All or nothing: on any error every
-        region of the batch is freed and the index is unchanged."""
+        region of the batch is freed and the index is unchanged. With `if_absent` a page already
+        stored under a key stays (and the new copy is freed)."""
         try:
             if not 0 < ttl_s <= MAX_TTL_S:
                 raise InvalidArgument(f"page ttl_s must be in (0, {MAX_TTL_S}], not {ttl_s}")
@@ -144,6 +147,9 @@ class PageStore:
         with self._lock:
             for w in writes:
                 old = self._pages.get(w.key)
+                if old is not None and if_absent:
+                    self.pool.free(w.offset)
+                    continue
                 if old is not None:
                     self._remove(old)
                 page = Page(
@@ -161,7 +167,13 @@ class PageStore:
                 self._pages[w.key] = page
                 self.bytes_held += w.size_bytes
 
-    def put(self, pages: list[tuple[PageWrite, bytes]], ttl_s: float, home: bool) -> None:
+    def put(
+        self,
+        pages: list[tuple[PageWrite, bytes]],
+        ttl_s: float,
+        home: bool,
+        if_absent: bool = False,
+    ) -> None:
         """Copy pages given as bytes (the gRPC path) into the pool and index them."""
         offsets = self.allocate([len(data) for _, data in pages])
         writes = []
@@ -170,7 +182,7 @@ class PageStore:
             writes.append(
                 PageWrite(w.key, w.shard, w.token, w.dtype, w.shape, offset, len(data), w.hash_hex)
             )
-        self.commit(writes, ttl_s, home)
+        self.commit(writes, ttl_s, home, if_absent)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -202,6 +214,17 @@ class PageStore:
         return data
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    def home_pages(self, shard: int) -> list[Page]:
+        """The live pages this worker homes for `shard`, soonest to expire first."""
+        now = time.monotonic()
+        with self._lock:
+            pages = [
+                p
+                for p in self._pages.values()
+                if p.home and p.shard == shard and p.expires_at > now
+            ]
+        return sorted(pages, key=lambda p: p.expires_at)
 
     def drop_shards(self, shards: set[int]) -> int:
         """Forget the home pages of shards this worker lost; returns how many went."""

@@ -187,7 +187,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
     # -- KV pages ------------------------------------------------------------------------------
 
     def PutPages(self, request, context):
-        self.pages.put(list(request.pages), request.ttl_s)
+        self.pages.put(list(request.pages), request.ttl_s, request.if_absent)
         return pb.Empty()
 
     def GetPages(self, request, context):
