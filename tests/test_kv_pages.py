@@ -257,8 +257,13 @@ def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path
                 for s in range(after.num_shards)
                 if s not in moved
             )
-            # Every page is still there, byte for byte, some now served by the new home.
-            got = pages.get_pages(list(data))
+            # Every page is still there, byte for byte, some now served by the new home (the
+            # copies run in the background just after the lease moved).
+            got = wait_until(
+                lambda: (g := pages.get_pages(list(data))) and all(p is not None for p in g) and g,
+                10,
+                interval_s=0.1,
+            )
             assert all(
                 g is not None and torch.equal(g.tensor(), data[k]) for g, k in zip(got, data)
             )

@@ -189,3 +189,73 @@ def test_schema_migrates_a_v1_database_keeping_its_rows(tmp_path):
     assert store.get_artifact("a", now=1.0).content_id == "c"
     assert "pinned" in store.db.table("replicas").columns_dict
     store.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_selected_span_covers_exactly_the_selected_elements(data):
+    """The byte span a view of a by-reference tensor reads: from the first to the last
+    selected element, checked against torch on the element indexes."""
+    from tensorcast.worker.file_refs import _selected_span
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    dims = []
+    for size in shape[: data.draw(st.integers(0, len(shape)))]:
+        start = data.draw(st.integers(0, size - 1))
+        stop = data.draw(st.integers(start + 1, size))
+        dims.append(DimSlice(start, stop, data.draw(st.integers(1, 3))))
+    meta = TensorMeta("t", "F16", shape, 2 * int(torch.tensor(shape).prod()), 0)
+    index = tuple(slice(d.start, d.stop, d.step) for d in dims)
+    picked = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)[index].flatten()
+    assert _selected_span(meta, dims) == (2 * int(picked.min()), 2 * int(picked.max()) + 2)
+
+
+def test_store_fills_reference_hashes_once_then_refuses_different_ones(tmp_path):
+    from tensorcast.errors import IntegrityError
+    from tensorcast.store.base import WorkerRegistration
+    from tensorcast.store.sqlite_store import SqliteStore
+
+    store = SqliteStore(tmp_path / "s.db", 3.0)
+    store.register_worker(
+        WorkerRegistration("w", "w", "127.0.0.1:1", "h", "s", ("basic",), 1 << 20, 1), 100.0
+    )
+    bare = (TensorMeta("a", "U8", (4,), 4, 0), TensorMeta("b", "U8", (4,), 4, 64))
+    store.add_replica("w", "r1-x", 68, bare, 100.0, tier="file")
+    hashed = tuple(
+        TensorMeta(t.name, t.dtype, t.shape, 4, t.offset_bytes, "h" + t.name) for t in bare
+    )
+    store.add_replica("w", "r1-x", 68, hashed, 100.0)
+    assert store.find_content("r1-x", 100.0).tensors == hashed
+    other = (hashed[0], TensorMeta("b", "U8", (4,), 4, 64, "changed"))
+    with pytest.raises(IntegrityError):
+        store.add_replica("w", "r1-x", 68, other, 100.0)
+    info = store.find_content("r1-x", 100.0)
+    assert info.tensors == hashed and {r.tier for r in info.replicas} == {"file", "cpu"}
+    with pytest.raises(InvalidArgument, match="tier"):
+        store.add_replica("w", "r1-x", 68, hashed, 100.0, tier="gpu")
+    store.close()
+
+
+def test_if_absent_keeps_only_a_live_home_page():
+    from tensorcast.transport import native
+    from tensorcast.worker.pages import PageStore, PageWrite
+    from tensorcast.worker.pool import Pool
+
+    pool = Pool(1 << 20)
+    pages = PageStore(pool)
+
+    def put(data: bytes, home: bool, if_absent: bool) -> None:
+        w = PageWrite("k", 0, 1, "U8", (len(data),), 0, len(data), native.hash_buffer(data))
+        pages.put([(w, data)], 60.0, home=home, if_absent=if_absent)
+
+    def held() -> bytes:
+        (page,) = pages.lookup([("k", 0, 0)])
+        return pages.read(page)
+
+    put(b"cached", home=False, if_absent=False)
+    put(b"copied", home=True, if_absent=True)  # a cached copy does not win over a hand-off copy
+    assert held() == b"copied"
+    put(b"newer!", home=True, if_absent=False)
+    put(b"copied", home=True, if_absent=True)  # a live home page does
+    assert held() == b"newer!" and pages.stats()["pages"] == 1
+    pool.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from tensorcast.errors import AlreadyExists, InvalidArgument, NotFound
+from tensorcast.errors import AlreadyExists, IntegrityError, InvalidArgument, NotFound
 from tensorcast.store.base import ContentInfo, WorkerRegistration
 from tensorcast.store.schema import migrate
 from tensorcast.types import (
@@ -225,6 +225,12 @@ class SqliteStore:
                     self.db.execute(
                         "UPDATE contents SET tensors = ? WHERE content_id = ?",
                         [layout, content_id],
+                    )
+                elif {t.name: t.hash_hex for t in stored} != {t.name: t.hash_hex for t in tensors}:
+                    # A by-reference content read again from files that changed in place.
+                    raise IntegrityError(
+                        f"content {content_id}: this replica's bytes differ from the recorded "
+                        "ones; not registered"
                     )
             self.db.execute(
                 "INSERT OR IGNORE INTO replicas (content_id, worker_id, tier, created_at) "

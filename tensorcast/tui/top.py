@@ -4,6 +4,7 @@ snapshot tests)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -302,7 +303,7 @@ class TopApp(App[None]):
         now = self.clock()
         return [
             (
-                p.trace_id,
+                p.idempotency_key,  # unique; trace ids are chosen by callers and may repeat
                 [
                     p.trace_id,
                     p.idempotency_key,
@@ -401,12 +402,17 @@ class TopApp(App[None]):
         self.call_from_thread(self.action_refresh)
 
 
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_NUMBER = re.compile(r"(\d+(?:\.\d+)?)(s)?(?: (B|KiB|MiB|GiB|TiB)\b)?")
+
+
 def _sort_key(cell: str) -> tuple[int, float, str]:
-    """Numbers ("12", "0.4s", "3s ago") in numeric order, before any text."""
-    try:
-        return (0, float(cell.split(" ", 1)[0].rstrip("s")), cell)
-    except ValueError:
+    """Cells that start with a number ("12", "0.4s", "3s ago", "1.5 GiB / 8.0 GiB") in numeric
+    order, sizes by their unit, before any text."""
+    match = _NUMBER.match(cell)
+    if match is None:
         return (1, 0.0, cell)
+    return (0, float(match.group(1)) * _UNITS.get(match.group(3) or "B", 1), cell)
 
 
 class SdkSource:

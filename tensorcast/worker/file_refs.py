@@ -60,6 +60,28 @@ def _check_unchanged(ref: FileReference) -> None:
             )
 
 
+def _selected_span(meta: TensorMeta, dims: list) -> tuple[int, int]:
+    """[begin, end) bytes of a row-major tensor that hold every element a slice selects."""
+    from tensorcast.types import DTYPE_ITEMSIZE
+
+    itemsize = DTYPE_ITEMSIZE[meta.dtype]
+    strides, step = [], itemsize
+    for size in reversed(meta.shape):
+        strides.append(step)
+        step *= size
+    strides.reverse()
+    first = last = 0
+    for i, stride in enumerate(strides):
+        if i < len(dims):
+            d = dims[i]
+            count = len(range(d.start, d.stop, d.step))
+            first += d.start * stride
+            last += (d.start + (count - 1) * d.step) * stride
+        else:
+            last += (meta.shape[i] - 1) * stride
+    return first, last + itemsize
+
+
 def describe(path: str | os.PathLike[str]) -> FileReference:
     """Validate a file or model directory and describe it, reading headers only."""
     try:
@@ -112,32 +134,41 @@ class FileReferences:
     def copy_view(
         self, ref: FileReference, slices: dict, target: memoryview, targets: list[TensorMeta]
     ) -> None:
-        """Cut a view straight from the files (a TP rank reads only its shard's pages): each
-        file is mapped read-only and only the sliced elements are touched."""
+        """Cut a view straight from the files (a TP rank reads only its shard): per tensor,
+        only the byte span from its first to its last selected element is read (positional
+        reads, so a file truncated meanwhile is a clean error, not a crash), then sliced."""
         from tensorcast.worker.slicing import copy_slices
 
         _check_unchanged(ref)
-        by_name = dict(zip((t.name for t in ref.layout.tensors), targets))
-        for e in ref.layout.extents:
-            inside = [
-                t
-                for t in ref.layout.tensors
-                if t.size_bytes and e.region_offset <= t.offset_bytes < e.region_offset + e.length
-            ]
-            if not inside:
+        read = 0
+        for source, dest in zip(ref.layout.tensors, targets):
+            if dest.size_bytes == 0:
                 continue
-            in_file = tuple(
-                replace(t, offset_bytes=e.file_offset + t.offset_bytes - e.region_offset)
-                for t in inside
+            begin, end = _selected_span(source, slices.get(source.name, []))
+            extent = next(
+                e
+                for e in ref.layout.extents
+                if e.region_offset <= source.offset_bytes < e.region_offset + e.length
             )
-            with open(e.path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-                view = memoryview(mm)
+            # Anonymous memory: only the pages of the span read are ever touched.
+            with mmap.mmap(-1, source.size_bytes) as scratch:
+                native.read_file_into(
+                    extent.path,
+                    extent.file_offset + source.offset_bytes - extent.region_offset + begin,
+                    end - begin,
+                    scratch,
+                    begin,
+                )
+                view = memoryview(scratch)
                 try:
-                    copy_slices(view, in_file, target, [by_name[t.name] for t in inside], slices)
+                    local = replace(source, offset_bytes=0)
+                    copy_slices(view, (local,), target, [dest], slices)
                 finally:
                     view.release()
+            read += end - begin
+        _check_unchanged(ref)  # rewritten in place while we read: refuse, commit nothing
         with self._lock:
-            self.bytes_read_total += sum(t.size_bytes for t in targets)
+            self.bytes_read_total += read
 
     def learned(self, content_id: str, tensors: tuple[TensorMeta, ...]) -> None:
         """Record the hashes of the first read."""

@@ -20,14 +20,20 @@ class LeaseCache:
         self.worker_id = worker_id
         self.table: ShardTable | None = None
         self._held: dict[int, tuple[int, float]] = {}  # shard -> (token, local deadline)
+        self._applied_sent_at = float("-inf")
         self._lock = threading.Lock()
 
     def update(self, table: ShardTable, sent_at: float) -> set[int]:
         """Take a fresh table (from a reply to a request sent at monotonic `sent_at`).
 
-        Returns the shards this worker no longer holds (their pages must go).
+        Returns the shards this worker no longer holds (their pages must go). A table from a
+        request sent before the one applied last is ignored: heartbeats and on-demand refreshes
+        run concurrently, and an older table must not bring back a lease that moved.
         """
         with self._lock:
+            if sent_at < self._applied_sent_at:
+                return set()
+            self._applied_sent_at = sent_at
             before = set(self._held)
             self.table = table
             self._held = {

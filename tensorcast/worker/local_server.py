@@ -108,8 +108,7 @@ class _Session:
         op = m.get("op")
         pool = self.node.pool
         if op == "open":
-            self.node.load(str(m["content_id"]))
-            content = pool.hold(str(m["content_id"]))
+            content = self.node.load_and_hold(str(m["content_id"]))
             hold_id = self._next_hold
             self._next_hold += 1
             self.holds[hold_id] = content

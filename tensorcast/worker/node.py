@@ -34,12 +34,13 @@ from tensorcast.worker.file_refs import FileReference, FileReferences, describe
 from tensorcast.worker.instances import Instances
 from tensorcast.worker.leases import LeaseCache
 from tensorcast.worker.pages import PageStore
-from tensorcast.worker.pool import Pool, Reservation
+from tensorcast.worker.pool import Content, Pool, Reservation
 
 log = logging.getLogger("tensorcast.worker")
 
 HANDOFFS_PER_BEAT = 2  # shards given to a newly joined home per heartbeat (spreads the copying)
 REFRESH_MIN_INTERVAL_S = 0.05
+LOAD_LOCKS = 64
 
 ROLES = ("basic", "gateway", "shard-home")
 
@@ -58,7 +59,8 @@ class WorkerNode:
         self.pool = pool
         self.disk = disk
         self.references = FileReferences()
-        self._loading: dict[str, threading.Lock] = {}
+        # One load per content at a time, through a fixed set of locks (bounded memory).
+        self._load_locks = [threading.Lock() for _ in range(LOAD_LOCKS)]
         self.worker_id = uuid.uuid4().hex[:12]
         self.name = name or f"worker-{self.worker_id[:6]}"
         self.roles = roles
@@ -90,6 +92,7 @@ class WorkerNode:
         self._peers_lock = threading.Lock()
         self._beat_lock = threading.Lock()
         self._last_refresh = 0.0
+        self._refresh_lock = threading.Lock()
 
     def peer(self, worker_id: str, addr: str, name: str = "") -> Stub:
         """A cached stub for another worker's service."""
@@ -190,9 +193,7 @@ class WorkerNode:
     def load(self, content_id: str) -> None:
         """Bring a content into the pool from the disk tier or its referenced files (no-op when
         it is in memory). One load per content at a time; the others wait and find it."""
-        with self._peers_lock:
-            gate = self._loading.setdefault(content_id, threading.Lock())
-        with gate:
+        with self._load_locks[hash(content_id) % LOAD_LOCKS]:
             try:
                 self.pool.get(content_id)
                 return
@@ -204,6 +205,17 @@ class WorkerNode:
                 if self.disk is None:
                     raise
             self._load_spilled(content_id)
+
+    def load_and_hold(self, content_id: str) -> Content:
+        """Load a content and hold it (it cannot be freed or evicted until released). Retries
+        when the pool evicts it between the two steps (it can always be read again)."""
+        for _ in range(3):
+            self.load(content_id)
+            try:
+                return self.pool.hold(content_id)
+            except NotFound:
+                continue
+        raise NotFound(f"content {content_id} was evicted as fast as it was loaded; retry")
 
     def _load_spilled(self, content_id: str) -> None:
         assert self.disk is not None
@@ -257,18 +269,24 @@ class WorkerNode:
         """`tc put --by-reference`: describe the files (headers only) and record a "file"
         replica; no tensor byte is read until the first load."""
         ref = describe(path)
+        known = self.references.get(ref.content_id)
+        ref = known or ref
         self.references.add(ref)
-        ref = self.references.get(ref.content_id) or ref
-        self.store.call(
-            "AddReplica",
-            pb.AddReplicaRequest(
-                worker_id=self.worker_id,
-                content_id=ref.content_id,
-                size_bytes=ref.layout.size_bytes,
-                tensors=[tensor_to_pb(t) for t in ref.tensors],
-                tier="file",
-            ),
-        )
+        try:
+            self.store.call(
+                "AddReplica",
+                pb.AddReplicaRequest(
+                    worker_id=self.worker_id,
+                    content_id=ref.content_id,
+                    size_bytes=ref.layout.size_bytes,
+                    tensors=[tensor_to_pb(t) for t in ref.tensors],
+                    tier="file",
+                ),
+            )
+        except TensorcastError:
+            if known is None:
+                self.references.remove(ref.content_id)  # nothing half-registered stays
+            raise
         return Committed(ref.content_id, ref.layout.size_bytes, ref.tensors, False)
 
     def _moved_tier(self, content_id: str, old_tier: str) -> None:
@@ -376,15 +394,21 @@ class WorkerNode:
             if self.references.remove(content_id, unless_added_after=sent_at):
                 log.info("forgot file reference %s (no artifact references it)", content_id)
 
-    def refresh_leases(self) -> None:
-        """Fetch the lease table now (a page operation named a lease newer than ours). At most
-        one fetch per REFRESH_MIN_INTERVAL_S: a caller arriving sooner waits for its turn."""
-        with self._beat_lock:
+    def refresh_leases(self, wanted: set[tuple[int, int]] | None = None) -> None:
+        """Fetch the lease table now: a page operation named (shard, token)s newer than ours
+        (`wanted`), or a home we asked said it moved (None). Callers queue; whoever finds the
+        wanted tokens already known skips the fetch, and fetches are at least
+        REFRESH_MIN_INTERVAL_S apart (bounded store traffic, bounded waits)."""
+        with self._refresh_lock:
+            if wanted is not None and not any(
+                self.leases.is_newer(shard, token) for shard, token in wanted
+            ):
+                return
             wait = self._last_refresh + REFRESH_MIN_INTERVAL_S - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             sent = self._last_refresh = time.monotonic()
-            table = self.store.call("ListShards", pb.Empty(), timeout_s=5.0)
+            table = self.store.call("ListShards", pb.Empty(), timeout_s=2.0)
             self._apply_shard_table(table, sent)
 
     def _apply_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
@@ -414,7 +438,6 @@ class WorkerNode:
         """Give `shard` to the home hashing ranks first (under the heartbeat lock, so lease
         tables still apply in order), then copy its pages there in the background, keeping any
         the new home already has. Until a page is copied, reads of it find it absent."""
-        pages = self.pages.home_pages(shard)
         sent = time.monotonic()
         try:
             reply = self.store.call(
@@ -427,59 +450,73 @@ class WorkerNode:
             log.info("no hand-off of shard %d: %s", shard, e)
             return
         table = shard_table_from_pb(reply)
-        lost = self.leases.update(table, sent)
+        lost = self.leases.update(table, sent) - {shard}
+        if lost:
+            self.pages.drop_shards(lost)
         threading.Thread(
             target=self._finish_hand_off,
-            args=(table.lease(shard), pages, lost | {shard}),
+            args=(table.lease(shard), token),
             name=f"hand-off-{shard}",
             daemon=True,
         ).start()
 
-    def _finish_hand_off(self, lease: ShardLease, pages: list, drop: set[int]) -> None:
-        copied = 0
-        try:
-            copied = self._copy_pages(pages, lease.holder_worker_id, lease.holder_addr, lease.token)
-        except TensorcastError as e:
-            log.warning("shard %d: pages not copied to its new home (%s)", lease.shard, e)
-        finally:
-            self.pages.drop_shards(drop)
+    def _finish_hand_off(self, lease: ShardLease, old_token: int) -> None:
+        """Copy the shard's pages (written under tokens up to `old_token`: this worker stopped
+        serving the shard before this runs) to the new home, then drop them here."""
+        shard = lease.shard
+        pages = self.pages.home_pages(shard, max_token=old_token)
+        copied = self._copy_pages(pages, lease.holder_worker_id, lease.holder_addr, lease.token)
+        # A put that passed its lease check just before the hand-off may have landed since.
+        late = [
+            p
+            for p in self.pages.home_pages(shard, max_token=old_token)
+            if p.key not in {q.key for q in pages}
+        ]
+        copied += self._copy_pages(late, lease.holder_worker_id, lease.holder_addr, lease.token)
+        self.pages.drop_shards({shard}, max_token=old_token)
         log.info(
             "handed shard %d to %s (token %d): copied %d of %d pages",
-            lease.shard,
+            shard,
             lease.holder_worker_id,
             lease.token,
             copied,
-            len(pages),
+            len(pages) + len(late),
         )
 
     def _copy_pages(self, pages: list, home_id: str, home_addr: str, token: int) -> int:
-        """PutPages (if absent) in batches below the gRPC message limit, each with the shortest
-        TTL left in it, so no page outlives its original expiry."""
+        """PutPages (if absent) in batches below the gRPC message and page-count limits, each
+        with the shortest TTL left in it, so no page outlives its original expiry. A failed
+        batch loses only its pages (the engine recomputes them). Returns the pages copied."""
         from tensorcast.worker.page_service import MAX_REPLY_BYTES
+        from tensorcast.worker.pages import MAX_BATCH
 
         peer = self.peer(home_id, home_addr)
         batch: list[tuple[pb.Page, float]] = []  # page, monotonic expiry
         copied, size = 0, 0
 
         def flush() -> int:
-            if not batch:
+            ttl = min((expiry for _, expiry in batch), default=0.0) - time.monotonic()
+            if not batch or ttl <= 0:
                 return 0
-            ttl = batch[0][1] - time.monotonic()
-            if ttl <= 0:
+            try:
+                peer.call(
+                    "PutPages",
+                    pb.PutPagesRequest(pages=[p for p, _ in batch], ttl_s=ttl, if_absent=True),
+                    timeout_s=10.0,
+                )
+            except TensorcastError as e:
+                log.warning("shard hand-off: %d pages not copied to %s: %s", len(batch), home_id, e)
                 return 0
-            peer.call(
-                "PutPages",
-                pb.PutPagesRequest(pages=[p for p, _ in batch], ttl_s=ttl, if_absent=True),
-                timeout_s=10.0,
-            )
             return len(batch)
 
         for page in pages:  # soonest to expire first
+            if page.expires_at <= time.monotonic() + 0.1:
+                continue
             try:
                 data = self.pages.read(page)
             except IntegrityError:
                 continue  # evicted meanwhile
-            if batch and size + len(data) > MAX_REPLY_BYTES:
+            if batch and (size + len(data) > MAX_REPLY_BYTES or len(batch) >= MAX_BATCH):
                 copied += flush()
                 batch, size = [], 0
             batch.append(

@@ -44,7 +44,7 @@ class PageService:
             # from the store now; older tokens never cost a store request.
             if not any(self.node.leases.is_newer(s, t) for s, t in shard_tokens):
                 raise
-            self.node.refresh_leases()
+            self.node.refresh_leases(shard_tokens)
             for shard, token in shard_tokens:
                 self.node.leases.check(shard, token)
 
@@ -90,7 +90,17 @@ class PageService:
     # -- copies of pages homed elsewhere -------------------------------------------------------
 
     def prefetch(self, refs: list[dict], timeout_s: float, ttl_s: float) -> int:
-        """Copy pages from their homes into this worker's cache; returns the bytes moved."""
+        """Copy pages from their homes into this worker's cache; returns the bytes moved.
+        Pages are asked for under the current lease (a shard may have moved since the refs were
+        made: the hash still pins the content); a home that moved meanwhile costs one table
+        refresh and one retry."""
+        try:
+            return self._prefetch_once(refs, timeout_s, ttl_s)
+        except errors.FencingError:
+            self.node.refresh_leases()
+            return self._prefetch_once(refs, timeout_s, ttl_s)
+
+    def _prefetch_once(self, refs: list[dict], timeout_s: float, ttl_s: float) -> int:
         deadline = time.monotonic() + timeout_s
         table = self.node.leases.table
         if refs and table is None:
@@ -116,7 +126,11 @@ class PageService:
             pages = get_all(
                 self.node.peer(home_id, lease.holder_addr),
                 [
-                    pb.PageKey(key=r["key"], shard=int(r["shard"]), token=int(r["token"]))
+                    pb.PageKey(
+                        key=r["key"],
+                        shard=int(r["shard"]),
+                        token=table.lease(int(r["shard"])).token,  # type: ignore[union-attr]
+                    )
                     for r in group
                 ],
                 remaining,

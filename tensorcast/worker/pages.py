@@ -147,7 +147,7 @@ class PageStore:
         with self._lock:
             for w in writes:
                 old = self._pages.get(w.key)
-                if old is not None and if_absent:
+                if if_absent and old is not None and old.home and old.expires_at > time.monotonic():
                     self.pool.free(w.offset)
                     continue
                 if old is not None:
@@ -215,21 +215,27 @@ class PageStore:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def home_pages(self, shard: int) -> list[Page]:
-        """The live pages this worker homes for `shard`, soonest to expire first."""
+    def home_pages(self, shard: int, max_token: int) -> list[Page]:
+        """The live pages this worker homes for `shard` under tokens up to `max_token`,
+        soonest to expire first."""
         now = time.monotonic()
         with self._lock:
             pages = [
                 p
                 for p in self._pages.values()
-                if p.home and p.shard == shard and p.expires_at > now
+                if p.home and p.shard == shard and p.token <= max_token and p.expires_at > now
             ]
         return sorted(pages, key=lambda p: p.expires_at)
 
-    def drop_shards(self, shards: set[int]) -> int:
-        """Forget the home pages of shards this worker lost; returns how many went."""
+    def drop_shards(self, shards: set[int], max_token: int | None = None) -> int:
+        """Forget the home pages of shards this worker lost (only those written under tokens
+        up to `max_token`, if given); returns how many went."""
         with self._lock:
-            gone = [p for p in self._pages.values() if p.home and p.shard in shards]
+            gone = [
+                p
+                for p in self._pages.values()
+                if p.home and p.shard in shards and (max_token is None or p.token <= max_token)
+            ]
             for page in gone:
                 self._remove(page)
         return len(gone)

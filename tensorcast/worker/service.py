@@ -72,8 +72,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             raise InvalidArgument("a tensor is sliced twice in one view")
         node, pool = self.node, self.node.pool
         ref = node.references.get(request.content_id)
-        if ref is not None and not pool.contains(request.content_id):
-            # Registered by reference and not read yet: read only the view's bytes.
+        if ref is not None and not ref.hashes and not pool.contains(request.content_id):
+            # Registered by reference and never read: read only the view's bytes. (Once the
+            # hashes are known, views come from a verified pool copy.)
             targets = plan_view(ref.layout.tensors, slices)
             res = node.reserve(_region_size(targets))
             try:
@@ -84,8 +85,7 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
                 pool.abort(res.reservation_id)
                 raise
             return _commit_reply(node.commit(res.reservation_id, targets))
-        node.load(request.content_id)
-        source = pool.hold(request.content_id)
+        source = node.load_and_hold(request.content_id)
         try:
             targets = plan_view(source.tensors, slices)
             res = node.reserve(_region_size(targets))

@@ -68,8 +68,7 @@ class Transfers:
         with self._lock:
             if len(self._tickets) >= MAX_TICKETS:
                 raise Unavailable("too many transfers in flight on this worker; retry later")
-        self.node.load(content_id)
-        content = self.node.pool.hold(content_id)
+        content = self.node.load_and_hold(content_id)
         ticket = self.data_server.open_ticket(content.offset, content.size_bytes, ttl_ms)
         with self._lock:
             self._tickets[ticket] = _Ticket(content, time.monotonic() + ttl_ms / 1000)
