@@ -49,3 +49,30 @@ def test_read_file_into(tmp_path):
     assert bytes(dest[10 : 10 + len(data) - 5]) == data[5:]
     with pytest.raises(InvalidArgument, match="shorter"):
         native.read_file_into(path, 0, len(data) + 1, bytearray(len(data) + 1), 0)
+
+
+def test_pulls_reuse_idle_connections_to_the_same_server():
+    """A finished pull leaves its authenticated connections for the next pull from the same
+    server: the second pull opens none; a wrong token never gets a pooled connection."""
+    from tensorcast.errors import TensorcastError
+
+    source = bytearray(os.urandom(10 << 20))  # three 4 MiB chunks: both streams get one
+    server = native.data_server("127.0.0.1", source, "secret")
+    try:
+        addr = f"127.0.0.1:{server.port}"
+        for round_ in range(3):
+            dest = bytearray(len(source))
+            ticket = server.open_ticket(0, len(source), 10_000)
+            stats = native.pull(addr, "secret", ticket, 0, len(source), dest, 0, streams=2)
+            server.close_ticket(ticket)
+            assert dest == source and stats["bytes"] == len(source)
+            if round_ == 0:
+                opened = server.stats()["connections_accepted"]
+                assert opened == 2
+        assert server.stats()["connections_accepted"] == opened  # rounds 2 and 3 reused them
+        ticket = server.open_ticket(0, len(source), 10_000)
+        with pytest.raises(TensorcastError):
+            native.pull(addr, "wrong", ticket, 0, len(source), bytearray(len(source)), 0)
+        assert server.stats()["connections_accepted"] > opened  # it had to say HELLO itself
+    finally:
+        server.stop()

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 
 #include "net.h"
 #include "tensorcast/frame.h"
@@ -33,6 +34,62 @@ constexpr int kReceiveStallMs = 10'000;
 // recv() at most this much at a time so each piece is hashed while still in cache.
 constexpr uint64_t kRecvPieceBytes = 256 << 10;
 constexpr uint64_t kMaxPullChunks = 1 << 20;
+// Authenticated connections left idle by finished pulls, kept for the next pull from the same
+// server: no connect, no HELLO, and a congestion window that has already grown. The age limit
+// stays well below the server's idle timeout (5 min), so a pooled connection is rarely stale.
+constexpr int kPoolIdleMs = 30'000;
+constexpr size_t kPoolMaxPerServer = 8;
+constexpr size_t kPoolMaxServers = 64;
+
+class ConnectionPool {
+public:
+    std::optional<net::Fd> take(const std::string& key) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        const auto it = idle_.find(key);
+        if (it == idle_.end()) return std::nullopt;
+        auto& list = it->second;
+        const auto oldest = Clock::now() - milliseconds(kPoolIdleMs);
+        std::optional<net::Fd> found;
+        while (!list.empty() && !found) {
+            Idle idle = std::move(list.back());
+            list.pop_back();
+            if (idle.since > oldest && still_open(idle.fd.get())) found = std::move(idle.fd);
+        }
+        if (list.empty()) idle_.erase(it);
+        return found;
+    }
+
+    void give(const std::string& key, net::Fd fd) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto& list = idle_[key];
+        if (list.size() >= kPoolMaxPerServer || idle_.size() > kPoolMaxServers) {
+            if (list.empty()) idle_.erase(key);
+            return;  // fd closes here
+        }
+        list.push_back(Idle{std::move(fd), Clock::now()});
+    }
+
+private:
+    struct Idle {
+        net::Fd fd;
+        Clock::time_point since;
+    };
+
+    // An idle connection must have nothing to read: readable means the server closed it (EOF)
+    // or sent something unexpected; either way it is not reusable.
+    static bool still_open(int fd) {
+        pollfd p{fd, POLLIN, 0};
+        return ::poll(&p, 1, 0) == 0;
+    }
+
+    std::mutex mutex_;
+    std::unordered_map<std::string, std::vector<Idle>> idle_;
+};
+
+ConnectionPool& connection_pool() {
+    static ConnectionPool* pool = new ConnectionPool();  // never destroyed: safe at exit
+    return *pool;
+}
 
 // Ends one connection; the chunks it had in flight go back to the queue.
 struct ConnectionLost {
@@ -75,6 +132,7 @@ public:
           source_offset_(source_offset),
           dest_(dest),
           deadline_(deadline),
+          pool_key_(where_ + '\n' + token),
           wake_(net::make_wake_fd()) {}
 
     void add_chunk(uint64_t offset, uint64_t length_bytes) {
@@ -86,6 +144,7 @@ public:
     // Caller thread: runs `streams` workers, watches cancel and the deadline,
     // joins every worker, then returns or throws.
     PullStats run(uint32_t streams, const std::atomic<bool>* cancel);
+    PullStats finish(Clock::time_point started);  // stats, or the failure as an exception
 
 private:
     void worker();
@@ -108,6 +167,10 @@ private:
     void requeue(uint32_t chunk, uint64_t connection_id, bool checksum,
                  const ConnectionLost& cause);
     bool on_connection_lost(const ConnectionLost& loss);  // true: reconnect
+    bool succeeded() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return over_ && !failure_;
+    }
     void fail(TransferFailure kind, const std::string& message);
     void fail_locked(TransferFailure kind, const std::string& message);
 
@@ -118,6 +181,7 @@ private:
     const uint64_t source_offset_;
     uint8_t* const dest_;
     const Clock::time_point deadline_;
+    const std::string pool_key_;  // server and token: who may reuse a connection
     net::Fd wake_;  // signalled once the pull is over (success or failure)
 
     std::mutex mutex_;
@@ -368,7 +432,8 @@ std::optional<ConnectionLost> Pull::run_connection() {
         }
     } connected;
     try {
-        const net::Fd fd = connect_and_hello(connection_id);
+        std::optional<net::Fd> reused = connection_pool().take(pool_key_);
+        net::Fd fd = reused ? std::move(*reused) : connect_and_hello(connection_id);
         {
             std::lock_guard<std::mutex> lock(mutex_);
             ++connected_;
@@ -382,7 +447,12 @@ std::optional<ConnectionLost> Pull::run_connection() {
             int batch_count = 0;
             while (in_flight.size() < kMaxReadsInFlight) {
                 const int64_t taken = take_chunk(connection_id, in_flight.empty());
-                if (taken == kPullOver) return std::nullopt;
+                if (taken == kPullOver) {
+                    // Nothing left in flight on a pull that succeeded: the connection is clean.
+                    if (in_flight.empty() && succeeded())
+                        connection_pool().give(pool_key_, std::move(fd));
+                    return std::nullopt;
+                }
                 if (taken == kNoChunk) break;
                 const Chunk& c = chunks_[size_t(taken)];
                 const uint64_t request_id = next_request_id++;
@@ -440,6 +510,12 @@ PullStats Pull::run(uint32_t streams, const std::atomic<bool>* cancel) {
     const auto started = Clock::now();
     stats_.streams = streams;
     live_ = streams;
+    if (streams == 1 && cancel == nullptr) {
+        // One stream and nothing to watch but the deadline, which every socket wait enforces:
+        // no monitor needed, so no thread to start (a small pull is mostly fixed cost).
+        worker();
+        return finish(started);
+    }
     std::vector<std::thread> workers;
     workers.reserve(streams);
     try {
@@ -467,8 +543,13 @@ PullStats Pull::run(uint32_t streams, const std::atomic<bool>* cancel) {
         }
     }
     for (auto& t : workers) t.join();
+    return finish(started);
+}
+
+PullStats Pull::finish(Clock::time_point started) {
     stats_.elapsed_ms = uint64_t(
         std::chrono::duration_cast<milliseconds>(Clock::now() - started).count());
+    if (!over_) fail(TransferFailure::kProtocol, "internal error: the pull stopped unfinished");
     if (failure_) {
         const std::string message = "pull from " + where_ + ": " + failure_->message;
         if (failure_->kind == TransferFailure::kTimeout) throw TransferTimeout(message);
