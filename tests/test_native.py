@@ -76,3 +76,25 @@ def test_pulls_reuse_idle_connections_to_the_same_server():
         assert server.stats()["connections_accepted"] > opened  # it had to say HELLO itself
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("count,size", [(1, 1000), (3, 0), (64, 256 * 1024)])
+def test_copy_many_copies_each_source_into_its_dest(count, size):
+    sources = [os.urandom(size) for _ in range(count)]
+    dests = [bytearray(size + 7) for _ in range(count)]  # larger dests keep their tails
+    native.copy_many(dests, sources)
+    assert all(d[:size] == s and d[size:] == bytes(7) for d, s in zip(dests, sources))
+
+
+def test_copy_many_rejects_bad_batches_and_copies_nothing():
+    dest = bytearray(8)
+    with pytest.raises(ValueError, match="differ in length"):
+        native.copy_many([dest], [b"a", b"b"])
+    with pytest.raises(ValueError):  # the second dest is too small: not even the first is copied
+        native.copy_many([dest, bytearray(2)], [b"12345678", b"123"])
+    assert dest == bytearray(8)
+    with pytest.raises(ValueError, match="overlaps"):
+        view = memoryview(dest)
+        native.copy_many([view[2:6]], [view[0:4]])
+    with pytest.raises(BufferError):  # a read-only dest
+        native.copy_many([b"readonly"], [b"12345678"])

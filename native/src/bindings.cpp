@@ -225,6 +225,35 @@ NB_MODULE(_native, m) {
         nb::arg("dest"), nb::arg("dest_offset"), nb::arg("source"), nb::arg("threads") = 0,
         "Copy all of source into dest[dest_offset:], in parallel for large sizes.");
 
+    m.def(
+        "copy_many",
+        [](nb::sequence dests, nb::sequence sources, unsigned threads) {
+            const size_t count = nb::len(dests);
+            if (nb::len(sources) != count)
+                throw nb::value_error("copy_many: dests and sources differ in length");
+            std::vector<BufferView> views;
+            views.reserve(2 * count);
+            std::vector<tc::CopyJob> jobs;
+            jobs.reserve(count);
+            for (size_t i = 0; i < count; ++i) {
+                views.emplace_back(dests[i], "each dest", true);
+                const BufferView& dest = views.back();
+                views.emplace_back(sources[i], "each source", false);
+                const BufferView& source = views.back();
+                check_fits("dest", 0, source.size_bytes(), dest.size_bytes());
+                const uint8_t* origin = source.data();
+                uint8_t* target = dest.data();
+                const size_t n = source.size_bytes();
+                if (n > 0 && target < origin + n && origin < target + n)
+                    throw nb::value_error("copy_many: a dest overlaps its source");
+                jobs.push_back(tc::CopyJob{target, origin, n});
+            }
+            nb::gil_scoped_release release;
+            tc::parallel_copy_many(jobs, threads);
+        },
+        nb::arg("dests"), nb::arg("sources"), nb::arg("threads") = 0,
+        "Copy each source into the start of its dest, the batch spread over threads.");
+
     m.attr("DATA_PLANE_DEFAULT_STREAMS") = tc::kDefaultPullStreams;
     m.attr("DATA_PLANE_DEFAULT_CHUNK_BYTES") = tc::kDefaultPullChunkBytes;
 

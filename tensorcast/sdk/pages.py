@@ -216,8 +216,7 @@ class Pages:
     def _put_local(self, conn: Any, refs: list, views: list[memoryview], ttl_s: float) -> None:
         offsets = conn.request({"op": "page_alloc", "sizes": [v.nbytes for v in views]})["offsets"]
         arena = conn.arena()
-        for view, offset in zip(views, offsets):
-            native.copy_into(arena, offset, view)
+        native.copy_many([arena[o : o + v.nbytes] for v, o in zip(views, offsets)], views)
         conn.request(
             {
                 "op": "page_commit",
@@ -290,16 +289,18 @@ class Pages:
         reply = conn.request({"op": "page_get", "keys": wanted})
         arena = conn.arena()
         pages: list[PageData | None] = []
+        sources = []
         for i, info in enumerate(reply["pages"]):
             if info is None:
                 pages.append(None)
                 continue
             off, size = info["offset"], info["size_bytes"]
             data = _buffer(into[i], size) if into is not None else bytearray(size)
-            native.copy_into(data, 0, arena[off : off + size])
+            sources.append(arena[off : off + size])
             pages.append(
                 PageData(info["key"], info["dtype"], tuple(info["shape"]), data, info["hash"])
             )
+        native.copy_many([p.data for p in pages if p is not None], sources)
         present = [(i, p) for i, p in enumerate(pages) if p is not None]
         hashes = native.hash_buffers([p.data for _, p in present]) if present else []
         for (i, _), h, info in zip(present, hashes, [reply["pages"][i] for i, _ in present]):

@@ -46,6 +46,12 @@ def copy_into(dest: Any, dest_offset: int, source: Any, threads: int = 0) -> Non
     _native.copy_into(dest, dest_offset, source, threads)
 
 
+def copy_many(dests: Sequence[Any], sources: Sequence[Any], threads: int = 0) -> None:
+    """Copy each source into the start of its dest (a batch of pages), spread over threads,
+    GIL released."""
+    _native.copy_many(list(dests), list(sources), threads)
+
+
 def data_server(host: str, base: Any, token: str, port: int = 0) -> Any:
     """The worker's native data server over `base` (its pool mapping); serves ticketed ranges."""
     return _native.DataServer(host, port, base, token)

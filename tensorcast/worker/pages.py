@@ -176,9 +176,12 @@ class PageStore:
     ) -> None:
         """Copy pages given as bytes (the gRPC path) into the pool and index them."""
         offsets = self.allocate([len(data) for _, data in pages])
+        native.copy_many(
+            [self.pool.region(o, len(data)) for (_, data), o in zip(pages, offsets)],
+            [data for _, data in pages],
+        )
         writes = []
         for (w, data), offset in zip(pages, offsets):
-            self.pool.region(offset, len(data))[:] = data
             writes.append(
                 PageWrite(w.key, w.shard, w.token, w.dtype, w.shape, offset, len(data), w.hash_hex)
             )

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace tc {
 
@@ -11,5 +12,18 @@ constexpr size_t kParallelCopyMinBytes = 16ull << 20;
 
 // dest and source must not overlap. threads: 0 = hardware concurrency.
 void parallel_copy(uint8_t* dest, const uint8_t* source, size_t size_bytes, unsigned threads);
+
+struct CopyJob {
+    uint8_t* dest;
+    const uint8_t* source;
+    size_t size_bytes;
+};
+
+// Below this total, a batch of copies runs on the calling thread.
+constexpr size_t kParallelCopyManyMinBytes = 2ull << 20;
+
+// Many independent copies (e.g. a batch of KV pages), spread over threads by dynamic claiming.
+// No dest may overlap any source or other dest.
+void parallel_copy_many(const std::vector<CopyJob>& jobs, unsigned threads);
 
 }  // namespace tc
