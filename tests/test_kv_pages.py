@@ -287,3 +287,47 @@ def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):
+    """After a first put, puts of the same page size write into regions the previous commit
+    reserved (one request each); a commit naming a region with another size is refused."""
+    with cluster.connect() as rt:
+        pages = rt.pages()
+        shards = pages.table().num_shards
+        same = [k for k in (f"kv/rt/{i}" for i in range(200)) if shard_of(k, shards) == 0][:4]
+        data = {k: torch.full((4096,), float(i)) for i, k in enumerate(same)}
+        pages.put_pages({same[0]: data[same[0]]}, ttl_s=60)
+        lease = pages.table().lease(0)
+        conn = pages._local(lease)
+        sent: list[str] = []
+        request = conn.request
+        conn.request = lambda m: (sent.append(m["op"]), request(m))[1]
+        for key in same[1:]:
+            pages.put_pages({key: data[key]}, ttl_s=60)
+        conn.request = request
+        assert sent == ["page_commit"] * 3  # no page_alloc round trips
+        got = pages.get_pages(list(data))
+        assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, data))
+        (spare,) = [o for n, offs in conn.spare_pages.items() for o in offs if n == 16384][:1]
+        blob = b"\x00" * 32768  # claims twice its region's size
+        with pytest.raises(tc.InvalidArgument, match="does not have the page's size"):
+            conn.request(
+                {
+                    "op": "page_commit",
+                    "ttl_s": 60,
+                    "pages": [
+                        {
+                            "key": "kv/rt/evil",
+                            "shard": lease.shard,
+                            "token": lease.token,
+                            "dtype": "U8",
+                            "shape": [len(blob)],
+                            "offset": spare,
+                            "size_bytes": len(blob),
+                            "hash": native.hash_buffer(blob),
+                        }
+                    ],
+                }
+            )
+        assert pages.get_pages(["kv/rt/evil"]) == [None]

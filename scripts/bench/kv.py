@@ -103,14 +103,23 @@ class TensorCastPages:
             self._sizes.update((k, len(v)) for k, v in zip(keys, values))
         self.pages.put_pages(dict(zip(keys, values)), ttl_s=3600)
 
+    def prepare(self, page_bytes: int, batch: int) -> None:
+        """The engine's KV blocks for `get_pages(into=...)`: allocated and touched once per
+        cell, before any timed call (an engine allocates its block pool once)."""
+        if self.into:
+            self._buffers = {
+                (batch, page_bytes): [bytearray(b"\1" * page_bytes) for _ in range(batch)]
+            }
+
     def get_batch(self, keys: Sequence[str]) -> list[Any]:
         self.page_ops += len(keys)
         into = None
         if self.into:
             size = self._sizes[keys[0]]
-            into = self._buffers.setdefault(
-                (len(keys), size), [bytearray(b"\1" * size) for _ in keys]
-            )
+            into = self._buffers.get((len(keys), size))
+            if into is None:  # a warm-up batch smaller than the cell's (prepare made those)
+                into = [bytearray(b"\1" * size) for _ in keys]
+                self._buffers[(len(keys), size)] = into
         got = self.pages.get_pages(keys, into=into)
         missing = [k for k, p in zip(keys, got) if p is None]
         if missing:

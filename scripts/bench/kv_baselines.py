@@ -726,6 +726,9 @@ def run_grid(
     cells = []
     for size in sizes:
         for batch in batches:
+            prepare = getattr(baseline, "prepare", None)  # untimed per-cell set-up, if any
+            if prepare is not None:
+                prepare(size, batch)
             try:
                 cell = measure(
                     baseline.put_batch,

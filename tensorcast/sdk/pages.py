@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Runtime
 
 MAX_REQUEST_BYTES = 48 * 1024 * 1024  # below the 64 MiB gRPC message limit
+MAX_SPARE_BYTES = 64 * 1024 * 1024  # page regions reserved ahead per home connection
 PageValue = Any  # a CPU torch.Tensor or a bytes-like object
 
 
@@ -214,16 +215,41 @@ class Pages:
         stub.call("PutPages", pb.PutPagesRequest(pages=pages[start:], ttl_s=ttl_s))
 
     def _put_local(self, conn: Any, refs: list, views: list[memoryview], ttl_s: float) -> None:
-        offsets = conn.request({"op": "page_alloc", "sizes": [v.nbytes for v in views]})["offsets"]
+        """Write into regions of the home's pool, then commit. Regions come from the ones the
+        previous commit reserved for this connection (same sizes: KV pages are uniform), so a
+        steady stream of puts costs one round trip each; only the missing ones are allocated."""
+        sizes = [v.nbytes for v in views]
+        with conn.spare_lock:
+            reused = [conn.spare_pages[n].pop() if conn.spare_pages.get(n) else None for n in sizes]
+            spare_bytes = sum(n * len(v) for n, v in conn.spare_pages.items())
+        missing = [i for i, o in enumerate(reused) if o is None]
+        if missing:
+            try:
+                got = conn.request({"op": "page_alloc", "sizes": [sizes[i] for i in missing]})
+            except BaseException:
+                with conn.spare_lock:  # still reserved for us: keep them for the next put
+                    for n, o in zip(sizes, reused):
+                        if o is not None:
+                            conn.spare_pages.setdefault(n, []).append(o)
+                raise
+            for i, offset in zip(missing, got["offsets"]):
+                reused[i] = offset
+        offsets = [int(o) for o in reused if o is not None]
         arena = conn.arena()
-        native.copy_many([arena[o : o + v.nbytes] for v, o in zip(views, offsets)], views)
-        conn.request(
+        native.copy_many([arena[o : o + n] for n, o in zip(sizes, offsets)], views)
+        # Reserve as much again for the next put, within a bound per connection.
+        ahead = sizes if spare_bytes + sum(sizes) <= MAX_SPARE_BYTES else []
+        reply = conn.request(
             {
                 "op": "page_commit",
                 "ttl_s": ttl_s,
                 "pages": [dict(r.to_json(), offset=off) for r, off in zip(refs, offsets)],
+                "reserve_next": ahead,
             }
         )
+        with conn.spare_lock:
+            for n, offset in zip(ahead, reply.get("next_offsets", [])):
+                conn.spare_pages.setdefault(n, []).append(offset)
 
     def get_pages(
         self,

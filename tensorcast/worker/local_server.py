@@ -23,6 +23,7 @@ from tensorcast.worker.pool import Content
 log = logging.getLogger("tensorcast.worker.local")
 
 MAX_CONNECTIONS = 256
+MAX_SPARE_BYTES = 64 * 1024 * 1024  # page regions reserved ahead for one connection's puts
 
 
 class LocalServer:
@@ -99,7 +100,7 @@ class _Session:
     def __init__(self, node: WorkerNode, pages: PageService) -> None:
         self.node = node
         self.pages = pages
-        self.page_regions: set[int] = set()  # allocated for pages, not committed yet
+        self.page_regions: dict[int, int] = {}  # offset -> size: allocated, not committed yet
         self.holds: dict[int, Content] = {}
         self.reservations: set[int] = set()
         self._next_hold = 1
@@ -152,8 +153,9 @@ class _Session:
                 pool.abort(reservation_id)
             return {"ok": True}
         if op == "page_alloc":
-            offsets = self.pages.store.allocate([int(n) for n in m["sizes"]])
-            self.page_regions.update(offsets)
+            sizes = [int(n) for n in m["sizes"]]
+            offsets = self.pages.store.allocate(sizes)
+            self.page_regions.update(zip(offsets, sizes))
             return {"ok": True, "offsets": offsets}
         if op == "page_commit":
             writes = [
@@ -169,11 +171,17 @@ class _Session:
                 )
                 for p in m["pages"]
             ]
-            if any(w.offset not in self.page_regions for w in writes):
-                raise InvalidArgument("a page region is not this connection's")
-            self.page_regions.difference_update(w.offset for w in writes)
+            if len({w.offset for w in writes}) != len(writes) or any(
+                self.page_regions.get(w.offset) != w.size_bytes for w in writes
+            ):
+                raise InvalidArgument(
+                    "a page region is not this connection's, is named twice, or does not "
+                    "have the page's size"
+                )
+            for w in writes:
+                del self.page_regions[w.offset]
             self.pages.commit_local(writes, float(m["ttl_s"]))
-            return {"ok": True}
+            return {"ok": True, "next_offsets": self._reserve_ahead(m.get("reserve_next", []))}
         if op == "page_get":
             keys = [(str(k), int(s), int(t)) for k, s, t in m["keys"]]
             found = self.pages.lookup(keys)
@@ -182,6 +190,20 @@ class _Session:
             keys = [(str(k), int(s), int(t)) for k, s, t in m["keys"]]
             return {"ok": True, "exists": [p is not None for p in self.pages.lookup(keys)]}
         raise InvalidArgument(f"unknown local operation {op!r}")
+
+    def _reserve_ahead(self, sizes: list) -> list[int]:
+        """Regions for the caller's next put (bounded: at most one batch, MAX_SPARE_BYTES).
+        Best effort: a full pool reserves nothing and the next put allocates as usual."""
+        sizes = [int(n) for n in sizes]
+        spare = sum(self.page_regions.values())
+        if not sizes or spare + sum(sizes) > MAX_SPARE_BYTES:
+            return []
+        try:
+            offsets = self.pages.store.allocate(sizes, evict=False)
+        except TensorcastError:
+            return []
+        self.page_regions.update(zip(offsets, sizes))
+        return offsets
 
     def close(self) -> None:
         for content in self.holds.values():

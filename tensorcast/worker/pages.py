@@ -86,8 +86,9 @@ class PageStore:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def allocate(self, sizes: list[int]) -> list[int]:
-        """Regions for a batch of pages; evicts expired then least recently used pages."""
+    def allocate(self, sizes: list[int], evict: bool = True) -> list[int]:
+        """Regions for a batch of pages; evicts least recently used pages to make room
+        (unless `evict` is off: then a full pool is ResourceExhausted)."""
         if len(sizes) > MAX_BATCH:
             raise InvalidArgument(f"batch of {len(sizes)} pages, the limit is {MAX_BATCH}")
         offsets: list[int] = []
@@ -95,7 +96,7 @@ class PageStore:
             for size in sizes:
                 if not 0 <= size <= MAX_PAGE_BYTES:
                     raise InvalidArgument(f"page of {size} bytes, the limit is {MAX_PAGE_BYTES}")
-                offsets.append(self._allocate_one(size))
+                offsets.append(self._allocate_one(size) if evict else self.pool.allocate(size))
         except BaseException:
             for offset in offsets:
                 self.pool.free(offset)
