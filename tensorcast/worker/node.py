@@ -12,9 +12,6 @@ from collections.abc import Callable
 
 from tensorcast.config import host_id
 from tensorcast.errors import (
-    FencingError,
-    IntegrityError,
-    InvalidArgument,
     NotFound,
     ResourceExhausted,
     TensorcastError,
@@ -28,9 +25,10 @@ from tensorcast.rpc.convert import (
     tensor_to_pb,
     tensors_from_pb,
 )
-from tensorcast.types import Committed, ShardLease, TensorMeta
+from tensorcast.types import Committed, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.file_refs import FileReference, FileReferences, describe
+from tensorcast.worker.handoff import hand_off
 from tensorcast.worker.instances import Instances
 from tensorcast.worker.leases import LeaseCache
 from tensorcast.worker.pages import PageStore
@@ -422,7 +420,7 @@ class WorkerNode:
         if "shard-home" not in self.roles:
             return
         for shard, token, to in self.leases.to_hand_off()[:HANDOFFS_PER_BEAT]:
-            self._hand_off(shard, token, to)
+            hand_off(self, shard, token, to)
         wanted = self.leases.to_acquire(self.heartbeat_interval_s)
         if wanted:
             sent_mono = time.monotonic()
@@ -433,108 +431,6 @@ class WorkerNode:
             got = sorted(set(wanted) & set(self.leases.held()))
             if got:
                 log.info("now home of shards %s", got)
-
-    def _hand_off(self, shard: int, token: int, to: str) -> None:
-        """Give `shard` to the home hashing ranks first (under the heartbeat lock, so lease
-        tables still apply in order), then copy its pages there in the background, keeping any
-        the new home already has. Until a page is copied, reads of it find it absent."""
-        sent = time.monotonic()
-        try:
-            reply = self.store.call(
-                "HandOffShard",
-                pb.HandOffShardRequest(
-                    worker_id=self.worker_id, shard=shard, token=token, to_worker_id=to
-                ),
-            )
-        except (FencingError, InvalidArgument) as e:
-            log.info("no hand-off of shard %d: %s", shard, e)
-            return
-        table = shard_table_from_pb(reply)
-        lost = self.leases.update(table, sent) - {shard}
-        if lost:
-            self.pages.drop_shards(lost)
-        threading.Thread(
-            target=self._finish_hand_off,
-            args=(table.lease(shard), token),
-            name=f"hand-off-{shard}",
-            daemon=True,
-        ).start()
-
-    def _finish_hand_off(self, lease: ShardLease, old_token: int) -> None:
-        """Copy the shard's pages (written under tokens up to `old_token`: this worker stopped
-        serving the shard before this runs) to the new home, then drop them here."""
-        shard = lease.shard
-        pages = self.pages.home_pages(shard, max_token=old_token)
-        copied = self._copy_pages(pages, lease.holder_worker_id, lease.holder_addr, lease.token)
-        # A put that passed its lease check just before the hand-off may have landed since.
-        late = [
-            p
-            for p in self.pages.home_pages(shard, max_token=old_token)
-            if p.key not in {q.key for q in pages}
-        ]
-        copied += self._copy_pages(late, lease.holder_worker_id, lease.holder_addr, lease.token)
-        self.pages.drop_shards({shard}, max_token=old_token)
-        log.info(
-            "handed shard %d to %s (token %d): copied %d of %d pages",
-            shard,
-            lease.holder_worker_id,
-            lease.token,
-            copied,
-            len(pages) + len(late),
-        )
-
-    def _copy_pages(self, pages: list, home_id: str, home_addr: str, token: int) -> int:
-        """PutPages (if absent) in batches below the gRPC message and page-count limits, each
-        with the shortest TTL left in it, so no page outlives its original expiry. A failed
-        batch loses only its pages (the engine recomputes them). Returns the pages copied."""
-        from tensorcast.worker.page_service import MAX_REPLY_BYTES
-        from tensorcast.worker.pages import MAX_BATCH
-
-        peer = self.peer(home_id, home_addr)
-        batch: list[tuple[pb.Page, float]] = []  # page, monotonic expiry
-        copied, size = 0, 0
-
-        def flush() -> int:
-            ttl = min((expiry for _, expiry in batch), default=0.0) - time.monotonic()
-            if not batch or ttl <= 0:
-                return 0
-            try:
-                peer.call(
-                    "PutPages",
-                    pb.PutPagesRequest(pages=[p for p, _ in batch], ttl_s=ttl, if_absent=True),
-                    timeout_s=10.0,
-                )
-            except TensorcastError as e:
-                log.warning("shard hand-off: %d pages not copied to %s: %s", len(batch), home_id, e)
-                return 0
-            return len(batch)
-
-        for page in pages:  # soonest to expire first
-            if page.expires_at <= time.monotonic() + 0.1:
-                continue
-            try:
-                data = self.pages.read(page)
-            except IntegrityError:
-                continue  # evicted meanwhile
-            if batch and (size + len(data) > MAX_REPLY_BYTES or len(batch) >= MAX_BATCH):
-                copied += flush()
-                batch, size = [], 0
-            batch.append(
-                (
-                    pb.Page(
-                        key=page.key,
-                        shard=page.shard,
-                        token=token,
-                        dtype=page.dtype,
-                        shape=list(page.shape),
-                        data=data,
-                        hash=page.hash_hex,
-                    ),
-                    page.expires_at,
-                )
-            )
-            size += len(data)
-        return copied + flush()
 
     def heartbeat_loop(self, interval_s: float, on_tick: Callable[[], None]) -> None:
         self.heartbeat_interval_s = interval_s
