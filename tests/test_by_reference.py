@@ -3,6 +3,7 @@ the pool for the next caller (warm), refused when changed, cut straight from dis
 
 from __future__ import annotations
 
+import gc
 import json
 import urllib.request
 from pathlib import Path
@@ -30,13 +31,23 @@ def _model_dir(path: Path, rows: int = 512, seed: int = 0) -> dict[str, torch.Te
     return a | b
 
 
-def _file_bytes_read(cluster, worker_name: str) -> float:
+def _metric(cluster, worker_name: str, series: str) -> float:
     proc = next(p for p in cluster.record.processes if p.name == worker_name)
     with urllib.request.urlopen(f"http://{proc.metrics_addr}/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("tc_file_read_bytes_total "):
+            if line.startswith(series + " "):
                 return float(line.split()[1])
-    raise AssertionError("tc_file_read_bytes_total missing from /metrics")
+    raise AssertionError(f"{series} missing from /metrics")
+
+
+def _file_bytes_read(cluster, worker_name: str) -> float:
+    return _metric(cluster, worker_name, "tc_file_read_bytes_total")
+
+
+def _same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == expected.keys() and all(
+        torch.equal(got[k], v) for k, v in expected.items()
+    )
 
 
 def _tiers(rt: tc.Runtime, art_id: str) -> dict[str, set[str]]:
@@ -61,9 +72,7 @@ def test_registers_without_reading_then_reads_once(fresh_cluster, tmp_path):
         assert _file_bytes_read(fresh_cluster, "worker-1") == 0
         assert _tiers(rt, "ref-model") == {"file": {"worker-1"}}
 
-        got = rt.artifact("ref-model").tensor_dict()  # cold: read from the files
-        assert got.keys() == expected.keys()
-        assert all(torch.equal(got[k], v) for k, v in expected.items())
+        assert _same(rt.artifact("ref-model").tensor_dict(), expected)  # cold: from the files
         files = rt.artifact("ref-model").files()
         assert files["config.json"] == b'{"model_type": "test"}'
         assert set(files) == {"config.json", "model.safetensors.index.json"}
@@ -74,13 +83,26 @@ def test_registers_without_reading_then_reads_once(fresh_cluster, tmp_path):
         assert all(t.hash_hex for t in rt.info("ref-model").tensors)  # learned on first read
 
     with fresh_cluster.connect() as rt:  # a new caller: warm, no file read
-        again = rt.artifact("ref-model").tensor_dict()
-        assert all(torch.equal(again[k], v) for k, v in expected.items())
+        assert _same(rt.artifact("ref-model").tensor_dict(), expected)
         assert _file_bytes_read(fresh_cluster, "worker-1") == cold
         # Registering the same unchanged files again is the same content.
         out = fresh_cluster.tc("put", "ref-model-2", str(tmp_path / "model"), "--by-reference")
         assert out.returncode == 0, out.stderr
         assert rt.info("ref-model-2").content_id == rt.info("ref-model").content_id
+        assert _metric(fresh_cluster, "worker-1", 'tc_replicas{tier="file"}') == 1
+        gc.collect()  # our mapping of the pool copy goes, and with it our hold on it
+        # Deleting every artifact that names it: the worker forgets the reference and frees
+        # the pool copy (the files themselves are the caller's and stay).
+        rt.delete("ref-model")
+        rt.delete("ref-model-2")
+        wait_until(
+            lambda: (
+                _metric(fresh_cluster, "worker-1", 'tc_replicas{tier="file"}') == 0
+                and pool_used(rt) == before
+            ),
+            10,
+        )
+        assert (tmp_path / "model" / "config.json").exists()
 
 
 def test_changed_or_missing_files_are_refused(fresh_cluster, tmp_path):
