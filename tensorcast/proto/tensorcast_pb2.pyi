@@ -275,18 +275,40 @@ class ListWorkersReply(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
 
 class AddReplicaRequest(_message.Message):
-    __slots__ = ("worker_id", "content_id", "size_bytes", "tensors", "tier")
+    __slots__ = ("worker_id", "content_id", "size_bytes", "tensors", "tier", "reference")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     content_id: str
     size_bytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     tier: str
-    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., tier: _Optional[str] = ...) -> None: ...
+    reference: str
+    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., tier: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
+
+class ListReferencesRequest(_message.Message):
+    __slots__ = ("host_id",)
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    def __init__(self, host_id: _Optional[str] = ...) -> None: ...
+
+class FileReferenceRecord(_message.Message):
+    __slots__ = ("content_id", "spec")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    spec: str
+    def __init__(self, content_id: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
+
+class ListReferencesReply(_message.Message):
+    __slots__ = ("references",)
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    references: _containers.RepeatedCompositeFieldContainer[FileReferenceRecord]
+    def __init__(self, references: _Optional[_Iterable[_Union[FileReferenceRecord, _Mapping]]] = ...) -> None: ...
 
 class RemoveReplicaRequest(_message.Message):
     __slots__ = ("worker_id", "content_id", "tier")

@@ -114,6 +114,11 @@ class GlobalStoreStub:
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.HandOffShardRequest.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
                 _registered_method=True)
+        self.ListReferences = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/ListReferences',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListReferencesRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListReferencesReply.FromString,
+                _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/tensorcast.v1.GlobalStore/ListInstances',
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
@@ -240,6 +245,12 @@ class GlobalStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReferences(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListInstances(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -353,6 +364,11 @@ def add_GlobalStoreServicer_to_server(servicer, server):
                     servicer.HandOffShard,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.HandOffShardRequest.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.SerializeToString,
+            ),
+            'ListReferences': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReferences,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListReferencesRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ListReferencesReply.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
@@ -812,6 +828,33 @@ class GlobalStore:
             '/tensorcast.v1.GlobalStore/HandOffShard',
             tensorcast_dot_proto_dot_tensorcast__pb2.HandOffShardRequest.SerializeToString,
             tensorcast_dot_proto_dot_tensorcast__pb2.ShardTable.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReferences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/ListReferences',
+            tensorcast_dot_proto_dot_tensorcast__pb2.ListReferencesRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.ListReferencesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,10 +62,12 @@ class MetadataStore(Protocol):
         tensors: tuple[TensorMeta, ...],
         now: float,
         tier: str = "cpu",
+        reference: str = "",
     ) -> None:
         """Record a replica. A "file" replica (by reference) may carry tensors without hashes;
         the first replica with hashes fills them in, and from then on they are the truth."""
 
+    def list_references(self, host_id: str) -> list[tuple[str, str]]: ...
     def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None: ...
     def find_content(self, content_id: str, now: float) -> ContentInfo | None: ...
     def create_artifact(

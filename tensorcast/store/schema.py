@@ -99,7 +99,16 @@ def _v4(db: sqlite_utils.Database) -> None:
     db.table("plan_results").create_index(["created_at"])
 
 
-MIGRATIONS = (_v1, _v2, _v3, _v4)
+def _v5(db: sqlite_utils.Database) -> None:
+    """Files registered by reference (`tc put --by-reference`): what a worker of that host
+    needs to serve them again after a restart (paths, file facts, layout, as JSON)."""
+    db.table("file_references").create(
+        {"content_id": str, "host_id": str, "spec": str, "created_at": float}, pk="content_id"
+    )
+    db.table("file_references").create_index(["host_id"])
+
+
+MIGRATIONS = (_v1, _v2, _v3, _v4, _v5)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -108,8 +108,17 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             tensors_from_pb(request.tensors),
             time.time(),
             request.tier or "cpu",
+            request.reference,
         )
         return pb.Empty()
+
+    def ListReferences(self, request, context):
+        return pb.ListReferencesReply(
+            references=[
+                pb.FileReferenceRecord(content_id=c, spec=spec)
+                for c, spec in self.store.list_references(request.host_id)
+            ]
+        )
 
     def RemoveReplica(self, request, context):
         self.store.remove_replica(request.worker_id, request.content_id, request.tier)

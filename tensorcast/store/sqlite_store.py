@@ -201,6 +201,7 @@ class SqliteStore:
         tensors: tuple[TensorMeta, ...],
         now: float,
         tier: str = "cpu",
+        reference: str = "",
     ) -> None:
         if tier not in ("cpu", "file"):
             raise InvalidArgument(f"unknown replica tier {tier!r}")
@@ -237,6 +238,25 @@ class SqliteStore:
                 "VALUES (?, ?, ?, ?)",
                 [content_id, worker_id, tier, now],
             )
+            if tier == "file" and reference:
+                self.db.execute(
+                    "INSERT OR REPLACE INTO file_references (content_id, host_id, spec, "
+                    "created_at) SELECT ?, host_id, ?, ? FROM workers WHERE worker_id = ?",
+                    [content_id, reference, now, worker_id],
+                )
+
+    def list_references(self, host_id: str) -> list[tuple[str, str]]:
+        """(content id, spec) of the files registered by reference on `host_id` whose content
+        an artifact still names."""
+        with self._lock:
+            return [
+                (r[0], r[1])
+                for r in self.db.execute(
+                    "SELECT f.content_id, f.spec FROM file_references f JOIN contents c "
+                    "USING (content_id) WHERE f.host_id = ? ORDER BY f.created_at",
+                    [host_id],
+                )
+            ]
 
     def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None:
         with self._lock, self.db.conn:
@@ -379,6 +399,7 @@ class SqliteStore:
             "SELECT 1 FROM artifacts WHERE content_id = ? LIMIT 1", [content_id]
         ).fetchone():
             self.db.execute("DELETE FROM replicas WHERE content_id = ?", [content_id])
+            self.db.execute("DELETE FROM file_references WHERE content_id = ?", [content_id])
             self.db.execute("DELETE FROM contents WHERE content_id = ?", [content_id])
 
     def _expire(self, now: float) -> None:
@@ -413,6 +434,10 @@ class SqliteStore:
                 "DELETE FROM contents WHERE created_at < ? AND NOT EXISTS "
                 "(SELECT 1 FROM artifacts a WHERE a.content_id = contents.content_id)",
                 [now - UNREFERENCED_GRACE_S],
+            )
+            self.db.execute(
+                "DELETE FROM file_references WHERE content_id NOT IN "
+                "(SELECT content_id FROM contents)"
             )
 
     def counts(self) -> tuple[int, int]:

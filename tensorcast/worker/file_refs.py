@@ -10,6 +10,7 @@ become the content's hashes; later reads of the same files must match them.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from tensorcast.errors import IntegrityError, InvalidArgument, NotFound
 from tensorcast.identity import reference_id
-from tensorcast.model_dir import FileLayout, layout, scan
+from tensorcast.model_dir import Extent, FileLayout, layout, scan
 from tensorcast.transport import native
 from tensorcast.types import TensorMeta
 
@@ -37,6 +38,39 @@ class FileReference:
     layout: FileLayout
     facts: tuple[FileFacts, ...]
     hashes: tuple[str, ...] = ()  # known after the first read
+
+    def to_json(self) -> str:
+        """What the Global Store keeps so a worker of this host can serve it after a restart."""
+        return json.dumps(
+            {
+                "content_id": self.content_id,
+                "size_bytes": self.layout.size_bytes,
+                "tensors": [t.to_json() for t in self.layout.tensors],
+                "extents": [
+                    [str(e.path), e.file_offset, e.length, e.region_offset]
+                    for e in self.layout.extents
+                ],
+                "facts": [list(f) for f in self.facts],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> FileReference:
+        d = json.loads(text)
+        layout = FileLayout(
+            tuple(TensorMeta.from_json(t) for t in d["tensors"]),
+            int(d["size_bytes"]),
+            tuple(Extent(Path(p), int(a), int(n), int(r)) for p, a, n, r in d["extents"]),
+        )
+        facts = tuple((str(p), int(s), int(m), int(i)) for p, s, m, i in d["facts"])
+        return cls(str(d["content_id"]), layout, facts)
+
+    def unchanged(self) -> bool:
+        try:
+            _check_unchanged(self)
+        except (NotFound, IntegrityError):
+            return False
+        return True
 
     @property
     def tensors(self) -> tuple[TensorMeta, ...]:

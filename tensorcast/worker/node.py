@@ -263,6 +263,33 @@ class WorkerNode:
             time.monotonic() - started,
         )
 
+    def adopt_references(self) -> int:
+        """Serve again the files registered by reference on this host (by a previous run of
+        this worker, or another worker here) whose files are unchanged; the next heartbeat
+        lists them. Returns how many."""
+        try:
+            reply = self.store.call(
+                "ListReferences", pb.ListReferencesRequest(host_id=self.host_id)
+            )
+        except TensorcastError as e:
+            log.warning("could not list the file references of this host: %s", e)
+            return 0
+        adopted = 0
+        for record in reply.references:
+            try:
+                ref = FileReference.from_json(record.spec)
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring a malformed file reference for %s", record.content_id)
+                continue
+            if ref.content_id != record.content_id or not ref.unchanged():
+                log.info("not adopting %s: its files changed or are gone", record.content_id)
+                continue
+            self.references.add(ref)
+            adopted += 1
+        if adopted:
+            log.info("serving %d contents registered by reference on this host", adopted)
+        return adopted
+
     def register_reference(self, path: str) -> Committed:
         """`tc put --by-reference`: describe the files (headers only) and record a "file"
         replica; no tensor byte is read until the first load."""
@@ -279,6 +306,7 @@ class WorkerNode:
                     size_bytes=ref.layout.size_bytes,
                     tensors=[tensor_to_pb(t) for t in ref.tensors],
                     tier="file",
+                    reference=ref.to_json(),
                 ),
             )
         except TensorcastError:

@@ -130,6 +130,7 @@ def serve(
     )
     node.metrics_addr = metrics.addr
     node.register()
+    node.adopt_references()
     node.heartbeat_interval_s = heartbeat_interval_s
     node.heartbeat_once()  # the lease table and shard bids at once, not an interval later
     node.start_heartbeats(heartbeat_interval_s, on_tick=transfers.expire)
