@@ -243,3 +243,20 @@ def test_a_restarted_worker_serves_unchanged_references_again(fresh_cluster, tmp
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_cli_get_writes_the_tensors_of_a_model_directory(cluster, tmp_path):
+    """`tc get` of a directory put (by reference or not): a safetensors file of its tensors,
+    byte for byte; the directory's other files are not tensors and are left out."""
+    from safetensors.torch import load_file
+
+    expected = _model_dir(tmp_path / "model")
+    for how in ("--by-reference", "--json"):  # the second is a plain put
+        art_id = f"get-{how.strip('-')}"
+        cluster.tc("put", art_id, str(tmp_path / "model"), how, check=True)
+        out = tmp_path / f"{art_id}.safetensors"
+        got = cluster.tc("get", art_id, "-o", str(out), "--json", check=True)
+        assert json.loads(got.stdout)["size_bytes"] == sum(
+            t.numel() * t.element_size() for t in expected.values()
+        )
+        assert _same(load_file(out), expected)

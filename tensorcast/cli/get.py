@@ -1,4 +1,6 @@
-"""Write an artifact out as a safetensors file (atomically: a partial file never appears)."""
+"""Write an artifact's tensors out as a safetensors file (atomically: a partial file never
+appears). A model directory's other files (config.json, tokenizer, ...) are not tensors and are
+not written; `Artifact.files()` returns them."""
 
 from __future__ import annotations
 
@@ -39,11 +41,14 @@ def command(
         started = time.perf_counter()
         art = rt.artifact(art_id)
         tensors = art.tensor_dict()
-        metas = sorted(art.info.tensors, key=lambda t: t.offset_bytes)
+        metas = sorted(
+            (t for t in art.info.tensors if t.name in tensors), key=lambda t: t.offset_bytes
+        )
+        size = sum(t.size_bytes for t in metas)
         tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
         try:
             with (
-                progress_bar(art.size_bytes, f"get {art_id}", not as_json) as advance,
+                progress_bar(size, f"get {art_id}", not as_json) as advance,
                 open(tmp, "wb") as f,
             ):
                 f.write(encode_header([(t.name, t.dtype, t.shape, t.size_bytes) for t in metas]))
@@ -62,8 +67,8 @@ def command(
         {
             "art_id": art_id,
             "output": str(output),
-            "size_bytes": art.size_bytes,
+            "size_bytes": size,
             "elapsed_s": round(elapsed, 4),
         },
-        f"wrote {art_id} to {output} ({format_size(art.size_bytes)}, {elapsed:.2f}s)",
+        f"wrote {art_id} to {output} ({format_size(size)}, {elapsed:.2f}s)",
     )

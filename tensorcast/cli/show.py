@@ -36,7 +36,13 @@ def command(
     if info.parent:
         head.append(f"parent    {info.parent}")
     rows = [
-        [t.name, t.dtype, "x".join(map(str, t.shape)) or "()", str(t.size_bytes), t.hash_hex[:16]]
+        [
+            t.name,
+            t.dtype,
+            "x".join(map(str, t.shape)) or "()",
+            str(t.size_bytes),
+            t.hash_hex[:16] or "(not read yet)",  # by reference: hashed on first read
+        ]
         for t in info.tensors
     ]
     emit(
