@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,6 +40,40 @@ class Cluster:
 
     def pid(self, name: str) -> int:
         return next(p.pid for p in self.record.processes if p.name == name)
+
+    @contextlib.contextmanager
+    def extra_worker(self, name: str, *args: str) -> Iterator[subprocess.Popen]:
+        """One more `tc worker start` process (64 MiB, extra `args`), ready when yielded,
+        terminated on exit."""
+        ready = self.state_dir / "run" / f"{name}.extra.json"
+        ready.unlink(missing_ok=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorcast.cli.main",
+                "worker",
+                "start",
+                "--store",
+                self.record.store_addr,
+                "--mem",
+                "64MiB",
+                "--name",
+                name,
+                "--ready-file",
+                str(ready),
+                *args,
+            ],
+            env={**os.environ, "TC_TOKEN": self.token},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_until(ready.exists, 30)
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
     def start_store_again(self) -> subprocess.Popen:
         """A new store process on the same database and address (after the old one died)."""
@@ -116,13 +151,10 @@ def rt(cluster) -> Iterator[tc.Runtime]:
 def shards_settled(rt: tc.Runtime, homes: int) -> bool:
     """Every KV shard held by the home hashing ranks first: lease hand-offs between the
     cluster's workers (the first to start takes every shard) are over."""
-    from tensorcast.sharding import hrw_rank
+    from tensorcast.sharding import settled
 
     table = rt.shards()
-    return len(table.live_homes) == homes and all(
-        lease.held and lease.holder_worker_id == hrw_rank(lease.shard, table.live_homes)[0]
-        for lease in table.leases
-    )
+    return len(table.live_homes) == homes and settled(table)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):

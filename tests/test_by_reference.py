@@ -198,8 +198,6 @@ def test_a_restarted_worker_serves_unchanged_references_again(fresh_cluster, tmp
     worker on the host serves the unchanged files again (no second put); changed ones not."""
     import os
     import signal
-    import subprocess
-    import sys
 
     expected = _model_dir(tmp_path / "kept")
     _model_dir(tmp_path / "edited", seed=1)
@@ -210,39 +208,13 @@ def test_a_restarted_worker_serves_unchanged_references_again(fresh_cluster, tmp
     os.kill(fresh_cluster.pid("worker-1"), signal.SIGKILL)
     shard = tmp_path / "edited" / "model-00002-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes())  # same bytes, new mtime: no longer the registered file
-    ready = tmp_path / "new-worker.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tensorcast.cli.main",
-            "worker",
-            "start",
-            "--store",
-            fresh_cluster.record.store_addr,
-            "--mem",
-            "64MiB",
-            "--name",
-            "reborn",
-            "--ready-file",
-            str(ready),
-        ],
-        env={**os.environ, "TC_TOKEN": fresh_cluster.token},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until(ready.exists, 30)
-        with fresh_cluster.connect() as rt:
-            wait_until(lambda: "file" in _tiers(rt, "kept") and "cpu" not in _tiers(rt, "kept"), 15)
-            assert _tiers(rt, "kept") == {"file": {"reborn"}}
-            assert _same(rt.artifact("kept").tensor_dict(), expected)  # read from the files
-            assert _tiers(rt, "edited") == {}
-            with pytest.raises(tc.Unavailable, match="no live replica"):
-                rt.artifact("edited").tensor_dict()
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with fresh_cluster.extra_worker("reborn"), fresh_cluster.connect() as rt:
+        wait_until(lambda: "file" in _tiers(rt, "kept") and "cpu" not in _tiers(rt, "kept"), 15)
+        assert _tiers(rt, "kept") == {"file": {"reborn"}}
+        assert _same(rt.artifact("kept").tensor_dict(), expected)  # read from the files
+        assert _tiers(rt, "edited") == {}
+        with pytest.raises(tc.Unavailable, match="no live replica"):
+            rt.artifact("edited").tensor_dict()
 
 
 def test_cli_get_writes_the_tensors_of_a_model_directory(cluster, tmp_path):

@@ -135,54 +135,23 @@ def test_caller_without_a_worker_pulls_into_its_own_memory(pair):
 
 
 def test_last_copies_spill_to_the_disk_tier_and_come_back(fresh_cluster, tmp_path):
-    import subprocess
-    import sys
-
     from conftest import wait_until
 
     disk = tmp_path / "disk"
-    ready = tmp_path / "disk-worker.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tensorcast.cli.main",
-            "worker",
-            "start",
-            "--store",
-            fresh_cluster.record.store_addr,
-            "--mem",
-            "64MiB",
-            "--name",
-            "disky",
-            "--disk",
-            str(disk),
-            "--ready-file",
-            str(ready),
-        ],
-        env={**os.environ, "TC_TOKEN": fresh_cluster.token},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_until(ready.exists, 30)
-        with fresh_cluster.connect() as rt:
-            first = torch.randn(40 * MiB // 4)
-            second = torch.randn(40 * MiB // 4)
-            rt.put({"w": first}, "spill-a", worker="disky")
-            rt.put({"w": second}, "spill-b", worker="disky")  # a (the last copy) moves to disk
-            tiers = {r.tier for r in rt.info("spill-a").replicas}
-            assert tiers == {"disk"} and len(list(disk.glob("*.tcd"))) == 1
-            disky = next(w for w in rt.workers() if w.name == "disky")
-            assert disky.disk_used_bytes >= 40 * MiB
-            # Reading a brings it back into memory, spilling b in turn: nothing is ever lost.
-            assert torch.equal(rt.artifact("spill-a").tensor_dict()["w"], first)
-            wait_until(lambda: {r.tier for r in rt.info("spill-b").replicas} == {"disk"}, 5)
-            assert {r.tier for r in rt.info("spill-a").replicas} == {"cpu"}
-            assert torch.equal(rt.artifact("spill-b").tensor_dict()["w"], second)
-            # Deleting an artifact removes its spilled file too.
-            rt.delete("spill-a")
-            wait_until(lambda: len(list(disk.glob("*.tcd"))) == 1, 5)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with fresh_cluster.extra_worker("disky", "--disk", str(disk)), fresh_cluster.connect() as rt:
+        first = torch.randn(40 * MiB // 4)
+        second = torch.randn(40 * MiB // 4)
+        rt.put({"w": first}, "spill-a", worker="disky")
+        rt.put({"w": second}, "spill-b", worker="disky")  # a (the last copy) moves to disk
+        tiers = {r.tier for r in rt.info("spill-a").replicas}
+        assert tiers == {"disk"} and len(list(disk.glob("*.tcd"))) == 1
+        disky = next(w for w in rt.workers() if w.name == "disky")
+        assert disky.disk_used_bytes >= 40 * MiB
+        # Reading a brings it back into memory, spilling b in turn: nothing is ever lost.
+        assert torch.equal(rt.artifact("spill-a").tensor_dict()["w"], first)
+        wait_until(lambda: {r.tier for r in rt.info("spill-b").replicas} == {"disk"}, 5)
+        assert {r.tier for r in rt.info("spill-a").replicas} == {"cpu"}
+        assert torch.equal(rt.artifact("spill-b").tensor_dict()["w"], second)
+        # Deleting an artifact removes its spilled file too.
+        rt.delete("spill-a")
+        wait_until(lambda: len(list(disk.glob("*.tcd"))) == 1, 5)

@@ -207,9 +207,6 @@ def test_grpc_batches_larger_than_one_message_are_split(cluster):
 def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path):
     """worker-1 homes every shard; a second shard-home joins: each shard hashing ranks it first
     for moves there with a higher token, its pages copied along, none lost or changed."""
-    import subprocess
-    import sys
-
     with fresh_cluster.connect() as rt:
         pages = rt.pages()
         before = pages.table()
@@ -218,29 +215,7 @@ def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path
         data = _pages(120, numel=256, tag=5.0)
         pages.put_pages(data, ttl_s=600)
 
-        ready = tmp_path / "late.json"
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tensorcast.cli.main",
-                "worker",
-                "start",
-                "--store",
-                fresh_cluster.record.store_addr,
-                "--mem",
-                "64MiB",
-                "--name",
-                "late",
-                "--ready-file",
-                str(ready),
-            ],
-            env={**os.environ, "TC_TOKEN": fresh_cluster.token},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_until(ready.exists, 30)
+        with fresh_cluster.extra_worker("late"):
             late = next(w for w in rt.workers() if w.name == "late")
 
             wait_until(lambda: shards_settled(rt, 2), 30, interval_s=0.2)
@@ -284,9 +259,6 @@ def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path
                 ),
             )
             assert [p.key for p in reply.pages] == on_late
-        finally:
-            proc.terminate()
-            proc.wait(10)
 
 
 def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):

@@ -76,13 +76,10 @@ class TensorCastPages:
     def _settled(self) -> bool:
         """Every shard held by the home hashing ranks first: the hand-offs after start-up (the
         first worker takes every shard) are over, so none happens inside the measurement."""
-        from tensorcast.sharding import hrw_rank
+        from tensorcast.sharding import settled
 
         table = self.rt.shards()
-        return len(table.live_homes) == 2 and all(
-            lease.held and lease.holder_worker_id == hrw_rank(lease.shard, table.live_homes)[0]
-            for lease in table.leases
-        )
+        return len(table.live_homes) == 2 and settled(table)
 
     def store_calls(self) -> dict[str, float]:
         addr = next(p for p in self.record.processes if p.role == "store").metrics_addr
