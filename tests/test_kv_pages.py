@@ -10,11 +10,12 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import shards_settled, start_cluster, wait_until
+from conftest import pool_used, shards_settled, start_cluster, wait_until
 
 import tensorcast as tc
 from tensorcast.metrics import rpc_counts
 from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.sdk import page_client
 from tensorcast.sharding import shard_of
 from tensorcast.transport import native
 
@@ -263,7 +264,8 @@ def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path
 
 def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):
     """After a first put, puts of the same page size write into regions the previous commit
-    reserved (one request each); a commit naming a region with another size is refused."""
+    reserved (one native request each); commits naming regions that are not the connection's,
+    or under a stale token, are refused and change nothing."""
     with cluster.connect() as rt:
         pages = rt.pages()
         shards = pages.table().num_shards
@@ -272,34 +274,121 @@ def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):
         pages.put_pages({same[0]: data[same[0]]}, ttl_s=60)
         lease = pages.table().lease(0)
         conn = pages._local(lease)
-        sent: list[str] = []
-        request = conn.request
-        conn.request = lambda m: (sent.append(m["op"]), request(m))[1]
+        sent: list[int] = []
+        call = conn._call
+        conn._call = lambda op, body: (sent.append(op), call(op, body))[1]
         for key in same[1:]:
             pages.put_pages({key: data[key]}, ttl_s=60)
-        conn.request = request
-        assert sent == ["page_commit"] * 3  # no page_alloc round trips
+        conn._call = call
+        assert sent == [page_client.COMMIT] * 3  # no ALLOC round trips
         got = pages.get_pages(list(data))
         assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, data))
-        (spare,) = [o for n, offs in conn.spare_pages.items() for o in offs if n == 16384][:1]
-        blob = b"\x00" * 32768  # claims twice its region's size
+        used = pool_used(rt)
+
+        def forged(offset: int, size: int, token: int = lease.token, key: str = "kv/rt/evil"):
+            blob = b"\x00" * size
+            page = {
+                "key": key,
+                "shard": lease.shard,
+                "token": token,
+                "dtype": "U8",
+                "shape": [size],
+                "offset": offset,
+                "size_bytes": size,
+                "hash": native.hash_buffer(blob),
+            }
+            return conn.commit(60, [page], [])
+
+        spare = conn.spare_pages[16384][-1]
         with pytest.raises(tc.InvalidArgument, match="does not have the page's size"):
-            conn.request(
-                {
-                    "op": "page_commit",
-                    "ttl_s": 60,
-                    "pages": [
-                        {
-                            "key": "kv/rt/evil",
-                            "shard": lease.shard,
-                            "token": lease.token,
-                            "dtype": "U8",
-                            "shape": [len(blob)],
-                            "offset": spare,
-                            "size_bytes": len(blob),
-                            "hash": native.hash_buffer(blob),
-                        }
-                    ],
-                }
-            )
+            forged(spare, 32768)  # claims twice its region's size
+        # A region another connection owns (the other caller's reserved spare) is not ours.
+        with cluster.connect() as other:
+            other.pages().put_pages({same[0]: data[same[0]]}, ttl_s=60)
+            theirs = other.pages()._local(lease).spare_pages[16384][-1]
+            with pytest.raises(tc.InvalidArgument, match="not this connection's"):
+                forged(theirs, 16384)
+        (mine,) = conn.alloc([16384])
+        with pytest.raises(tc.FencingError):
+            forged(mine, 16384, token=lease.token + 1)
+        # A refused commit frees its region: committing it again names no region of ours.
+        with pytest.raises(tc.InvalidArgument, match="not this connection's"):
+            forged(mine, 16384)
         assert pages.get_pages(["kv/rt/evil"]) == [None]
+        assert pool_used(rt) == used
+
+
+def test_native_page_socket_survives_malformed_frames(cluster):
+    """Garbage on the native page socket: a typed error, the connection closed, the worker and
+    its pages untouched."""
+    import socket
+    import struct
+
+    from tensorcast.transport.unix import page_socket_name, socket_address
+
+    with cluster.connect() as rt:
+        pages = rt.pages()
+        keep = {"kv/native/keep": torch.arange(64, dtype=torch.float32)}
+        pages.put_pages(keep, ttl_s=60)
+        lease = pages.table().lease(shard_of("kv/native/keep", pages.table().num_shards))
+        address = socket_address(page_socket_name(lease.holder_local_socket))
+        header = struct.Struct("<BBHI")
+        used = pool_used(rt)
+
+        def replies(frame: bytes) -> list[tuple[int, bytes]]:
+            """Send raw bytes on a fresh connection; the (status, body) replies until it closes."""
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(address)
+                s.sendall(frame)
+                s.shutdown(socket.SHUT_WR)  # no more requests: the worker closes after answering
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            out = []
+            while data:
+                version, status, _, size = header.unpack_from(data)
+                assert version == 1 and len(data) >= header.size + size, data
+                out.append((status, data[header.size : header.size + size]))
+                data = data[header.size + size :]
+            return out
+
+        def error(body: bytes) -> tuple[str, str]:
+            r = page_client._Reader(body)
+            kind = r.str()
+            (n,) = r.take(page_client._U32)
+            return kind, bytes(r.data[r.at : r.at + n]).decode()
+
+        def frame(op: int, body: bytes, version: int = 1, size: int | None = None) -> bytes:
+            return header.pack(version, op, 0, len(body) if size is None else size) + body
+
+        good = frame(page_client.HELLO, page_client._str(cluster.token))
+        get = page_client._keys([("kv/native/keep", 0, 0)])
+        cases = {
+            "no hello": (frame(page_client.GET, get), "Unauthenticated"),
+            "wrong token": (frame(page_client.HELLO, page_client._str("nope")), "Unauthenticated"),
+            "bad version": (good + frame(page_client.GET, get, version=9), "InvalidArgument"),
+            "unknown op": (good + frame(77, b""), "InvalidArgument"),
+            "oversized": (good + frame(page_client.GET, b"", size=1 << 30), "InvalidArgument"),
+            "short body": (good + frame(page_client.GET, b"\x01\x00\x00\x00"), "InvalidArgument"),
+            "huge batch": (good + frame(page_client.ALLOC, b"\xff" * 4), "InvalidArgument"),
+            "empty commit": (
+                good + frame(page_client.COMMIT, struct.pack("<dII", 60.0, 0, 0)),
+                None,  # well formed: fine, and the connection stays open
+            ),
+        }
+        for name, (raw, kind) in cases.items():
+            got = replies(raw)
+            if raw.startswith(good):
+                assert got[0][0] == 0, name  # the HELLO reply
+                got = got[1:]
+            if kind is None:
+                assert [status for status, _ in got] == [0], name
+                continue
+            assert len(got) == 1 and got[0][0] == 1, (name, got)
+            got_kind, message = error(got[0][1])
+            assert got_kind == kind and message, (name, got_kind, message)
+        # The good frames still work after all that, and nothing leaked or changed.
+        got_pages = pages.get_pages(list(keep))
+        assert torch.equal(got_pages[0].tensor(), keep["kv/native/keep"])
+        assert pool_used(rt) == used

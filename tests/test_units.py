@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from tensorcast.config import parse_size
 from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.identity import content_id
+from tensorcast.transport.native import ArenaAllocator
 from tensorcast.types import TensorMeta
-from tensorcast.worker.arena import PAGE_BYTES, ArenaAllocator
+from tensorcast.worker.pool import PAGE_BYTES
 from tensorcast.worker.slicing import DimSlice, sliced_shape
 
 
@@ -258,4 +259,5 @@ def test_if_absent_keeps_only_a_live_home_page():
     put(b"newer!", home=True, if_absent=False)
     put(b"copied", home=True, if_absent=True)  # a live home page does
     assert held() == b"newer!" and pages.stats()["pages"] == 1
+    pages.close()
     pool.close()

@@ -1,16 +1,26 @@
 // tensorcast._native: thin nanobind layer over tc_core. Buffers are taken via
 // the CPython buffer API and the GIL is released around all native work.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/set.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "tensorcast/arena.h"
 #include "tensorcast/copy.h"
 #include "tensorcast/file_read.h"
 #include "tensorcast/hash.h"
+#include "tensorcast/page_index.h"
+#include "tensorcast/page_server.h"
 #include "tensorcast/transport.h"
 
 namespace nb = nanobind;
@@ -82,6 +92,81 @@ private:
     std::unique_ptr<BufferView> view_;
     std::unique_ptr<tc::DataServer> server_;
 };
+
+// A page as Python sees it: (key, shard, token, dtype, shape, offset, size_bytes, hash,
+// expires_at, home).
+using PyPage = std::tuple<std::string, uint32_t, uint64_t, std::string, std::vector<int64_t>,
+                          uint64_t, uint64_t, std::string, double, bool>;
+using PyPageWrite = std::tuple<std::string, uint32_t, uint64_t, std::string, std::vector<int64_t>,
+                               uint64_t, uint64_t, std::string>;
+
+PyPage to_py(const tc::Page& p) {
+    return {p.key, p.shard, p.token, p.dtype, p.shape, p.offset, p.size_bytes, p.hash,
+            p.expires_at, p.home};
+}
+
+// Python face of tc::PageIndex over the pool's memory. Holds the buffer export of `base` until
+// close() (so the pool's mmap cannot be closed under it) and the lease fallback callable.
+class PyPageIndex {
+public:
+    PyPageIndex(nb::handle base, std::shared_ptr<tc::ArenaAllocator> arena,
+                std::map<std::string, uint64_t> itemsizes)
+        : view_(std::make_unique<BufferView>(base, "base", true)),
+          index_(std::make_shared<tc::PageIndex>(view_->data(), std::move(arena),
+                                                 std::move(itemsizes))) {}
+
+    tc::PageIndex& index() { return *index_; }
+    std::shared_ptr<tc::PageIndex> shared() { return index_; }
+
+    // `fn(list of (shard, token))` runs (with the GIL) when an operation names leases the
+    // index does not hold as named; it raises to refuse. Its exception becomes the error the
+    // caller sees.
+    void set_lease_fallback(nb::object fn) {
+        PyObject* raw = fn.ptr();  // kept alive by fallback_ below until close()
+        index_->set_lease_fallback(
+            [raw](const std::vector<std::pair<uint32_t, uint64_t>>& shard_tokens) {
+                std::string kind, message;
+                {
+                    nb::gil_scoped_acquire gil;
+                    try {
+                        nb::list named;
+                        for (const auto& [shard, token] : shard_tokens)
+                            named.append(nb::make_tuple(shard, token));
+                        const nb::handle fn(raw);
+                        fn(named);
+                        return;
+                    } catch (nb::python_error& e) {
+                        kind = nb::cast<std::string>(nb::handle(e.type()).attr("__name__"));
+                        message = nb::cast<std::string>(nb::str(e.value()));
+                    }
+                }
+                throw tc::StatusError(kind, message);
+            });
+        fallback_ = std::move(fn);
+    }
+
+    void close() {
+        index_->set_lease_fallback(nullptr);
+        fallback_ = nb::object();
+        view_.reset();
+    }
+
+private:
+    std::unique_ptr<BufferView> view_;
+    std::shared_ptr<tc::PageIndex> index_;
+    nb::object fallback_;
+};
+
+// Raises the tensorcast.errors class a StatusError names.
+void translate_status_error(const std::exception_ptr& error, void*) {
+    try {
+        std::rethrow_exception(error);
+    } catch (const tc::StatusError& e) {
+        nb::object made = nb::module_::import_("tensorcast.errors")
+                              .attr("error_named")(e.kind, std::string(e.what()));
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(made.ptr())), made.ptr());
+    }
+}
 
 struct CancelToken {
     std::atomic<bool> flag{false};
@@ -155,6 +240,10 @@ NB_MODULE(_native, m) {
                             transfer_cancelled.ptr()};
     // Registered last, so tried first: adds `.reason` to the three above.
     nb::register_exception_translator(translate_transfer_error);
+    nb::register_exception_translator(translate_status_error);
+    // Workers exit with daemon threads still holding native objects (servers, the page index);
+    // the OS reclaims them, and nanobind's shutdown report would only bury the real log lines.
+    nb::set_leak_warnings(false);
 
     m.def(
         "hash_buffer",
@@ -315,4 +404,144 @@ NB_MODULE(_native, m) {
         "Pull length bytes at source_offset of a DataServer's pool into dest[dest_offset:] over "
         "`streams` TCP connections; returns stats. Raises TransferError (.reason), "
         "TransferTimeout, TransferCancelled.");
+
+    nb::class_<tc::ArenaAllocator>(m, "ArenaAllocator",
+                                   "First-fit, page-aligned allocator over a fixed arena (pure "
+                                   "bookkeeping); thread-safe, shared by the pool and its pages.")
+        .def(nb::init<uint64_t>(), nb::arg("capacity_bytes"))
+        .def("allocate", &tc::ArenaAllocator::allocate, nb::arg("size_bytes"))
+        .def("free", &tc::ArenaAllocator::free, nb::arg("offset"))
+        .def("size_of", &tc::ArenaAllocator::size_of, nb::arg("offset"))
+        .def("largest_free_bytes", &tc::ArenaAllocator::largest_free_bytes)
+        .def("free_blocks", &tc::ArenaAllocator::free_blocks)
+        .def_prop_ro("capacity_bytes", &tc::ArenaAllocator::capacity_bytes)
+        .def_prop_ro("used_bytes", &tc::ArenaAllocator::used_bytes);
+
+    nb::class_<PyPageIndex>(m, "PageIndex", "A worker's KV page index (see page_index.h).")
+        .def(nb::init<nb::handle, std::shared_ptr<tc::ArenaAllocator>,
+                      std::map<std::string, uint64_t>>(),
+             nb::arg("base"), nb::arg("arena"), nb::arg("itemsizes"))
+        .def(
+            "allocate",
+            [](PyPageIndex& p, const std::vector<uint64_t>& sizes, bool evict) {
+                nb::gil_scoped_release release;
+                return p.index().allocate(sizes, evict);
+            },
+            nb::arg("sizes"), nb::arg("evict") = true)
+        .def(
+            "free",
+            [](PyPageIndex& p, const std::vector<uint64_t>& offsets) {
+                nb::gil_scoped_release release;
+                p.index().free(offsets);
+            },
+            nb::arg("offsets"))
+        .def(
+            "commit",
+            [](PyPageIndex& p, const std::vector<PyPageWrite>& writes, double ttl_s, bool home,
+               bool if_absent) {
+                std::vector<tc::PageWrite> native;
+                native.reserve(writes.size());
+                for (const auto& w : writes) {
+                    tc::PageWrite n;
+                    std::tie(n.key, n.shard, n.token, n.dtype, n.shape, n.offset, n.size_bytes,
+                             n.hash) = w;
+                    native.push_back(std::move(n));
+                }
+                nb::gil_scoped_release release;
+                p.index().commit(native, ttl_s, home, if_absent);
+            },
+            nb::arg("writes"), nb::arg("ttl_s"), nb::arg("home"), nb::arg("if_absent") = false)
+        .def(
+            "lookup",
+            [](PyPageIndex& p, const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
+                std::vector<tc::PageKey> native;
+                native.reserve(keys.size());
+                for (const auto& [key, shard, token] : keys) native.push_back({key, shard, token});
+                std::vector<std::optional<tc::Page>> found;
+                {
+                    nb::gil_scoped_release release;
+                    found = p.index().lookup(native);
+                }
+                std::vector<std::optional<PyPage>> out;
+                out.reserve(found.size());
+                for (const auto& page : found)
+                    out.push_back(page ? std::optional<PyPage>(to_py(*page)) : std::nullopt);
+                return out;
+            },
+            nb::arg("keys"))
+        .def(
+            "home_pages",
+            [](PyPageIndex& p, uint32_t shard, uint64_t max_token) {
+                std::vector<tc::Page> pages;
+                {
+                    nb::gil_scoped_release release;
+                    pages = p.index().home_pages(shard, max_token);
+                }
+                std::vector<PyPage> out;
+                for (const auto& page : pages) out.push_back(to_py(page));
+                return out;
+            },
+            nb::arg("shard"), nb::arg("max_token"))
+        .def(
+            "drop_shards",
+            [](PyPageIndex& p, const std::set<uint32_t>& shards, std::optional<uint64_t> max_token) {
+                nb::gil_scoped_release release;
+                return p.index().drop_shards(shards, max_token);
+            },
+            nb::arg("shards"), nb::arg("max_token").none() = nb::none())
+        .def("expire",
+             [](PyPageIndex& p) {
+                 nb::gil_scoped_release release;
+                 return p.index().expire();
+             })
+        .def("stats",
+             [](PyPageIndex& p) {
+                 tc::PageIndexStats s;
+                 {
+                     nb::gil_scoped_release release;
+                     s = p.index().stats();
+                 }
+                 nb::dict d;
+                 d["pages"] = s.pages;
+                 d["home_pages"] = s.home_pages;
+                 d["bytes"] = s.bytes;
+                 return d;
+             })
+        .def(
+            "set_leases",
+            [](PyPageIndex& p, const std::map<uint32_t, std::pair<uint64_t, double>>& held) {
+                nb::gil_scoped_release release;
+                p.index().set_leases(held);
+            },
+            nb::arg("held"), "shard -> (token, monotonic deadline) of the leases held now.")
+        .def("set_lease_fallback", &PyPageIndex::set_lease_fallback, nb::arg("fn"))
+        .def("close", &PyPageIndex::close,
+             "Drop the fallback and release the pool buffer (stop page servers first).");
+
+    nb::class_<tc::PageServer>(m, "PageServer",
+                               "Serves same-host page requests natively (see page_server.h).")
+        .def(
+            "__init__",
+            [](tc::PageServer* self, const std::string& address, PyPageIndex& index,
+               const std::string& token, uint64_t arena_bytes) {
+                new (self) tc::PageServer(address, index.shared(), token, arena_bytes);
+            },
+            nb::arg("address"), nb::arg("index"), nb::arg("token"), nb::arg("arena_bytes"))
+        .def("stats",
+             [](tc::PageServer& s) {
+                 const tc::PageServerStats st = s.stats();
+                 nb::dict d;
+                 d["requests"] = st.requests;
+                 d["errors_sent"] = st.errors_sent;
+                 d["active_connections"] = st.active_connections;
+                 d["connections_accepted"] = st.connections_accepted;
+                 return d;
+             })
+        .def(
+            "stop",
+            [](tc::PageServer& s) {
+                nb::gil_scoped_release release;
+                s.stop();
+            },
+            "Close the socket and every connection (their regions are freed); idempotent.");
 }

@@ -41,11 +41,6 @@ class LocalConnection:
         self._wake = threading.Event()
         self._closing = False
         self._closed = False
-        # Page regions the worker allocated for this connection's next puts (size -> offsets):
-        # a put then needs one round trip (write, commit) instead of two. They belong to the
-        # connection on the worker's side too and are freed when it closes.
-        self.spare_pages: dict[int, list[int]] = {}
-        self.spare_lock = threading.Lock()
         threading.Thread(target=self._release_loop, name="tc-release", daemon=True).start()
 
     def _roundtrip(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:

@@ -17,6 +17,7 @@ from tensorcast import errors
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import shard_table_from_pb
 from tensorcast.rpc.page_calls import get_all
+from tensorcast.sdk.page_client import PageConnection
 from tensorcast.sharding import shard_of
 from tensorcast.transport import native
 from tensorcast.types import ShardLease, ShardTable
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 MAX_REQUEST_BYTES = 48 * 1024 * 1024  # below the 64 MiB gRPC message limit
 MAX_SPARE_BYTES = 64 * 1024 * 1024  # page regions reserved ahead per home connection
+# (the worker enforces the same bound: kMaxSpareBytes in native/include/tensorcast/page_server.h)
 PageValue = Any  # a CPU torch.Tensor or a bytes-like object
 
 
@@ -102,8 +104,15 @@ class Pages:
         self.rt = rt
         self._fetch = fetch_table or (lambda: rt.store.call("ListShards", pb.Empty()))
         self._table: ShardTable | None = None
+        self._conns: dict[str, PageConnection] = {}  # same-host homes, by worker id
         self._lock = threading.Lock()
         self.table_fetches = 0  # lease table requests made so far (the only metadata traffic)
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._conns.values():
+                conn.close()
+            self._conns.clear()
 
     def table(self, refresh: bool = False) -> ShardTable:
         with self._lock:
@@ -158,10 +167,25 @@ class Pages:
         shard = shard_of(key, table.num_shards)
         return shard, table.lease(shard).token
 
-    def _local(self, lease: ShardLease):  # LocalConnection | None
+    def _local(self, lease: ShardLease) -> PageConnection | None:
         if lease.holder_host_id != self.rt.host_id or not lease.holder_local_socket:
             return None
-        return self.rt.local_connection_to(lease.holder_worker_id, lease.holder_local_socket)
+        return self._connection(lease.holder_worker_id, lease.holder_local_socket)
+
+    def _connection(self, worker_id: str, local_socket: str) -> PageConnection:
+        """The native page connection to a same-host worker (its pool mapped through the local
+        connection)."""
+        with self._lock:
+            conn = self._conns.get(worker_id)
+        if conn is None:
+            local = self.rt.local_connection_to(worker_id, local_socket)
+            conn = PageConnection(local_socket, local.arena, self.rt.token, self.rt.timeout_s)
+            with self._lock:
+                kept = self._conns.setdefault(worker_id, conn)
+            if kept is not conn:
+                conn.close()
+                conn = kept
+        return conn
 
     # -- the batch API -------------------------------------------------------------------------
 
@@ -214,7 +238,9 @@ class Pages:
             size += len(page.data)
         stub.call("PutPages", pb.PutPagesRequest(pages=pages[start:], ttl_s=ttl_s))
 
-    def _put_local(self, conn: Any, refs: list, views: list[memoryview], ttl_s: float) -> None:
+    def _put_local(
+        self, conn: PageConnection, refs: list, views: list[memoryview], ttl_s: float
+    ) -> None:
         """Write into regions of the home's pool, then commit. Regions come from the ones the
         previous commit reserved for this connection (same sizes: KV pages are uniform), so a
         steady stream of puts costs one round trip each; only the missing ones are allocated."""
@@ -225,30 +251,25 @@ class Pages:
         missing = [i for i, o in enumerate(reused) if o is None]
         if missing:
             try:
-                got = conn.request({"op": "page_alloc", "sizes": [sizes[i] for i in missing]})
+                got = conn.alloc([sizes[i] for i in missing])
             except BaseException:
                 with conn.spare_lock:  # still reserved for us: keep them for the next put
                     for n, o in zip(sizes, reused):
                         if o is not None:
                             conn.spare_pages.setdefault(n, []).append(o)
                 raise
-            for i, offset in zip(missing, got["offsets"]):
+            for i, offset in zip(missing, got):
                 reused[i] = offset
         offsets = [int(o) for o in reused if o is not None]
         arena = conn.arena()
         native.copy_many([arena[o : o + n] for n, o in zip(sizes, offsets)], views)
         # Reserve as much again for the next put, within a bound per connection.
         ahead = sizes if spare_bytes + sum(sizes) <= MAX_SPARE_BYTES else []
-        reply = conn.request(
-            {
-                "op": "page_commit",
-                "ttl_s": ttl_s,
-                "pages": [dict(r.to_json(), offset=off) for r, off in zip(refs, offsets)],
-                "reserve_next": ahead,
-            }
+        next_offsets = conn.commit(
+            ttl_s, [dict(r.to_json(), offset=off) for r, off in zip(refs, offsets)], ahead
         )
         with conn.spare_lock:
-            for n, offset in zip(ahead, reply.get("next_offsets", [])):
+            for n, offset in zip(ahead, next_offsets):
                 conn.spare_pages.setdefault(n, []).append(offset)
 
     def get_pages(
@@ -272,7 +293,7 @@ class Pages:
         todo = list(range(len(names)))
         if cache is not None:
             expected = {i: k.hash for i, k in enumerate(keys) if isinstance(k, PageRef)}
-            conn = self.rt.local_connection_to(cache.worker_id, cache.local_socket)
+            conn = self._connection(cache.worker_id, cache.local_socket)
             found = self._get_local(conn, [(names[i], 0, 0) for i in todo], into)
             for i, page in zip(todo, found):
                 if page is not None and (i not in expected or page.hash == expected[i]):
@@ -310,27 +331,25 @@ class Pages:
 
     @staticmethod
     def _get_local(
-        conn: Any, wanted: list[tuple[str, int, int]], into: Sequence[Any] | None = None
+        conn: PageConnection, wanted: list[tuple[str, int, int]], into: Sequence[Any] | None = None
     ) -> list[PageData | None]:
-        reply = conn.request({"op": "page_get", "keys": wanted})
+        found = conn.get(wanted)
         arena = conn.arena()
         pages: list[PageData | None] = []
         sources = []
-        for i, info in enumerate(reply["pages"]):
+        for i, info in enumerate(found):
             if info is None:
                 pages.append(None)
                 continue
             off, size = info["offset"], info["size_bytes"]
             data = _buffer(into[i], size) if into is not None else bytearray(size)
             sources.append(arena[off : off + size])
-            pages.append(
-                PageData(info["key"], info["dtype"], tuple(info["shape"]), data, info["hash"])
-            )
+            pages.append(PageData(wanted[i][0], info["dtype"], info["shape"], data, info["hash"]))
         native.copy_many([p.data for p in pages if p is not None], sources)
-        present = [(i, p) for i, p in enumerate(pages) if p is not None]
-        hashes = native.hash_buffers([p.data for _, p in present]) if present else []
-        for (i, _), h, info in zip(present, hashes, [reply["pages"][i] for i, _ in present]):
-            if h != info["hash"]:
+        present = [i for i, p in enumerate(pages) if p is not None]
+        hashes = native.hash_buffers([pages[i].data for i in present]) if present else []  # type: ignore[union-attr]
+        for i, h in zip(present, hashes):
+            if h != pages[i].hash:  # type: ignore[union-attr]
                 pages[i] = None  # evicted and reused while we copied: absent, never wrong
         return pages
 
@@ -341,7 +360,7 @@ class Pages:
             wanted = [(keys[i], *self._token(keys[i])) for i in indexes]
             conn = self._local(lease)
             if conn is not None:
-                flags = conn.request({"op": "page_exists", "keys": wanted})["exists"]
+                flags = conn.exists(wanted)
             else:
                 reply = self._stub(lease).call(
                     "ExistsPages",

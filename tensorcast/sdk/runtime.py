@@ -186,6 +186,8 @@ class Runtime:
         return worker.host_id == self.host_id
 
     def close(self) -> None:
+        if self._pages is not None:
+            self._pages.close()
         with self._lock:
             for conn in self._local.values():
                 conn.close()

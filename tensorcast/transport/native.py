@@ -12,6 +12,10 @@ from tensorcast.errors import InvalidArgument, TensorcastError
 _native: Any = importlib.import_module("tensorcast._native")
 
 TREE_HASH_CHUNK_BYTES: int = _native.TREE_HASH_CHUNK_BYTES
+# Raise tensorcast.errors classes themselves (see native/include/tensorcast/errors.h).
+ArenaAllocator: Any = _native.ArenaAllocator
+PageIndex: Any = _native.PageIndex
+PageServer: Any = _native.PageServer
 
 
 def hash_buffer(buf: Any, threads: int = 0) -> str:

@@ -22,6 +22,11 @@ def socket_address(name: str) -> str:
     return "\0tensorcast-" + name
 
 
+def page_socket_name(local_socket: str) -> str:
+    """The native page socket (native/src/page_server.cpp) next to a worker's local socket."""
+    return f"{local_socket}-pages"
+
+
 def send_message(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE_BYTES:

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from tensorcast.errors import FencingError
 from tensorcast.sharding import LEASE_CANDIDATES, hrw_rank
 from tensorcast.types import ShardTable
 
+Held = dict[int, tuple[int, float]]  # shard -> (token, local monotonic deadline)
+
 
 class LeaseCache:
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, publish: Callable[[Held], None] | None = None) -> None:
+        """`publish` receives every new set of held leases (the native page index checks
+        same-host page operations against it without calling back into Python)."""
         self.worker_id = worker_id
+        self._publish = publish
         self.table: ShardTable | None = None
-        self._held: dict[int, tuple[int, float]] = {}  # shard -> (token, local deadline)
+        self._held: Held = {}
         self._applied_sent_at = float("-inf")
         self._lock = threading.Lock()
 
@@ -41,6 +47,8 @@ class LeaseCache:
                 for lease in table.leases
                 if lease.held and lease.holder_worker_id == self.worker_id
             }
+            if self._publish is not None:  # under the lock: tables are published in order
+                self._publish(self._held)
             return before - set(self._held)
 
     def held(self) -> dict[int, int]:

@@ -16,20 +16,16 @@ from tensorcast.errors import InvalidArgument, TensorcastError, Unauthenticated
 from tensorcast.transport.unix import recv_message, send_message, socket_address
 from tensorcast.types import TensorMeta
 from tensorcast.worker.node import WorkerNode
-from tensorcast.worker.page_service import PageService
-from tensorcast.worker.pages import PageWrite
 from tensorcast.worker.pool import Content
 
 log = logging.getLogger("tensorcast.worker.local")
 
 MAX_CONNECTIONS = 256
-MAX_SPARE_BYTES = 64 * 1024 * 1024  # page regions reserved ahead for one connection's puts
 
 
 class LocalServer:
-    def __init__(self, node: WorkerNode, pages: PageService) -> None:
+    def __init__(self, node: WorkerNode) -> None:
         self.node = node
-        self.pages = pages
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(socket_address(node.local_socket))
         self.sock.listen(64)
@@ -58,7 +54,7 @@ class LocalServer:
         self.sock.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        session = _Session(self.node, self.pages)
+        session = _Session(self.node)
         try:
             message, _ = recv_message(conn)
             if message.get("op") != "hello" or not hmac.compare_digest(
@@ -97,10 +93,8 @@ def _error(e: TensorcastError) -> dict[str, Any]:
 
 
 class _Session:
-    def __init__(self, node: WorkerNode, pages: PageService) -> None:
+    def __init__(self, node: WorkerNode) -> None:
         self.node = node
-        self.pages = pages
-        self.page_regions: dict[int, int] = {}  # offset -> size: allocated, not committed yet
         self.holds: dict[int, Content] = {}
         self.reservations: set[int] = set()
         self._next_hold = 1
@@ -152,65 +146,12 @@ class _Session:
                 self.reservations.discard(reservation_id)
                 pool.abort(reservation_id)
             return {"ok": True}
-        if op == "page_alloc":
-            sizes = [int(n) for n in m["sizes"]]
-            offsets = self.pages.store.allocate(sizes)
-            self.page_regions.update(zip(offsets, sizes))
-            return {"ok": True, "offsets": offsets}
-        if op == "page_commit":
-            writes = [
-                PageWrite(
-                    str(p["key"]),
-                    int(p["shard"]),
-                    int(p["token"]),
-                    str(p["dtype"]),
-                    tuple(int(d) for d in p["shape"]),
-                    int(p["offset"]),
-                    int(p["size_bytes"]),
-                    str(p["hash"]),
-                )
-                for p in m["pages"]
-            ]
-            if len({w.offset for w in writes}) != len(writes) or any(
-                self.page_regions.get(w.offset) != w.size_bytes for w in writes
-            ):
-                raise InvalidArgument(
-                    "a page region is not this connection's, is named twice, or does not "
-                    "have the page's size"
-                )
-            for w in writes:
-                del self.page_regions[w.offset]
-            self.pages.commit_local(writes, float(m["ttl_s"]))
-            return {"ok": True, "next_offsets": self._reserve_ahead(m.get("reserve_next", []))}
-        if op == "page_get":
-            keys = [(str(k), int(s), int(t)) for k, s, t in m["keys"]]
-            found = self.pages.lookup(keys)
-            return {"ok": True, "pages": [p.to_json() if p else None for p in found]}
-        if op == "page_exists":
-            keys = [(str(k), int(s), int(t)) for k, s, t in m["keys"]]
-            return {"ok": True, "exists": [p is not None for p in self.pages.lookup(keys)]}
         raise InvalidArgument(f"unknown local operation {op!r}")
-
-    def _reserve_ahead(self, sizes: list) -> list[int]:
-        """Regions for the caller's next put (bounded: at most one batch, MAX_SPARE_BYTES).
-        Best effort: a full pool reserves nothing and the next put allocates as usual."""
-        sizes = [int(n) for n in sizes]
-        spare = sum(self.page_regions.values())
-        if not sizes or spare + sum(sizes) > MAX_SPARE_BYTES:
-            return []
-        try:
-            offsets = self.pages.store.allocate(sizes, evict=False)
-        except TensorcastError:
-            return []
-        self.page_regions.update(zip(offsets, sizes))
-        return offsets
 
     def close(self) -> None:
         for content in self.holds.values():
             self.node.pool.release(content)
         for reservation_id in self.reservations:
             self.node.pool.abort(reservation_id)
-        self.pages.store.free(list(self.page_regions))
-        self.page_regions.clear()
         self.holds.clear()
         self.reservations.clear()

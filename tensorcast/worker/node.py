@@ -74,7 +74,7 @@ class WorkerNode:
         self.heartbeat_interval_s = 1.0
         # KV pages (homed or cached), the shard leases behind them, attached instances.
         self.pages = PageStore(pool)
-        self.leases = LeaseCache(self.worker_id)
+        self.leases = LeaseCache(self.worker_id, self.pages.index.set_leases)
         self.instances = Instances(self.worker_id, self.name)
         self.instances.on_change = self._report_soon
         self._channel = make_channel(store_addr)

@@ -1,7 +1,10 @@
-"""KV page operations on a worker, for remote callers (gRPC) and same-host ones (local socket).
+"""KV page operations on a worker for remote callers (gRPC), and the lease rules behind them.
 
 Every operation on a homed page carries its shard's fencing token, checked against this worker's
 cached lease: a stale token or a shard homed elsewhere is a FencingError, and nothing changes.
+Same-host callers go through the native page server (worker/server.py), which checks tokens
+against the lease table the LeaseCache pushes to the page index and falls back to `_check` here
+only for a token it does not hold as named.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class PageService:
     def __init__(self, node: WorkerNode) -> None:
         self.node = node
         self.store = node.pages
+        self.store.index.set_lease_fallback(lambda named: self._check(set(named)))
 
     def _check(self, shard_tokens: set[tuple[int, int]]) -> None:
         try:
@@ -57,14 +61,6 @@ class PageService:
         self.store.put(
             [(_write(p, len(p.data)), p.data) for p in pages], ttl_s, home=True, if_absent=if_absent
         )
-
-    def commit_local(self, writes: list[PageWrite], ttl_s: float) -> None:
-        try:
-            self._check({(w.shard, w.token) for w in writes})
-        except BaseException:
-            self.store.free([w.offset for w in writes])
-            raise
-        self.store.commit(writes, ttl_s, home=True)
 
     def lookup(self, keys: list[tuple[str, int, int]]) -> list[Page | None]:
         self._check({(shard, token) for _, shard, token in keys if token})

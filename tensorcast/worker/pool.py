@@ -18,7 +18,8 @@ from tensorcast.errors import IntegrityError, InvalidArgument, NotFound
 from tensorcast.identity import content_id as compute_content_id
 from tensorcast.transport import native
 from tensorcast.types import DTYPE_ITEMSIZE, TensorMeta, tensor_nbytes
-from tensorcast.worker.arena import PAGE_BYTES, ArenaAllocator
+
+PAGE_BYTES = 4096  # pool regions are page aligned, so any caller can map one on its own
 
 
 @dataclass
@@ -70,7 +71,8 @@ class Pool:
         # speed of writes into touched ones, so never pay that on a hot path.
         self.mm = mmap.mmap(self.fd, capacity_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.view = memoryview(self.mm)
-        self._alloc = ArenaAllocator(capacity_bytes)
+        # Shared with the native page index (KV pages), which allocates without the GIL.
+        self.arena = native.ArenaAllocator(capacity_bytes)
         self._contents: dict[str, Content] = {}
         self._draining: list[Content] = []  # dropped, still mapped by callers
         self._reservations: dict[int, Reservation] = {}
@@ -88,7 +90,7 @@ class Pool:
         if size_bytes < 0:
             raise InvalidArgument("size must be >= 0")
         with self._lock:
-            offset = self._alloc.allocate(size_bytes)
+            offset = self.arena.allocate(size_bytes)
             res = Reservation(next(self._ids), offset, size_bytes)
             self._reservations[res.reservation_id] = res
             return res
@@ -97,16 +99,7 @@ class Pool:
         with self._lock:
             res = self._reservations.pop(reservation_id, None)
             if res is not None:
-                self._alloc.free(res.offset)
-
-    def allocate(self, size_bytes: int) -> int:
-        """A raw region outside the content index (KV pages keep their own index)."""
-        with self._lock:
-            return self._alloc.allocate(size_bytes)
-
-    def free(self, offset: int) -> None:
-        with self._lock:
-            self._alloc.free(offset)
+                self.arena.free(res.offset)
 
     def region(self, offset: int, size_bytes: int) -> memoryview:
         return self.view[offset : offset + size_bytes]
@@ -154,7 +147,7 @@ class Pool:
             del self._reservations[reservation_id]
             existing = self._contents.get(cid)
             if existing is not None:
-                self._alloc.free(res.offset)
+                self.arena.free(res.offset)
                 # Committed again: a drop decided before now (the store forgot it) must not win.
                 existing.committed_at = time.time()
                 return CommitResult(existing, True)
@@ -191,7 +184,7 @@ class Pool:
             assert content.holds >= 0
             if content.dropped and content.holds == 0:
                 self._draining.remove(content)
-                self._alloc.free(content.offset)
+                self.arena.free(content.offset)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -224,7 +217,7 @@ class Pool:
             if content.holds:
                 self._draining.append(content)
             else:
-                self._alloc.free(content.offset)
+                self.arena.free(content.offset)
             return True
 
     def stats(self) -> PoolStats:
@@ -232,7 +225,7 @@ class Pool:
             live = list(self._contents.values())
             return PoolStats(
                 capacity_bytes=self.capacity_bytes,
-                used_bytes=self._alloc.used_bytes,
+                used_bytes=self.arena.used_bytes,
                 num_contents=len(live),
                 num_holds=sum(c.holds for c in live + self._draining),
                 num_reservations=len(self._reservations),

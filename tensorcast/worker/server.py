@@ -17,6 +17,7 @@ from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
 from tensorcast.transport import native
+from tensorcast.transport.unix import page_socket_name, socket_address
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.local_server import LocalServer
 from tensorcast.worker.node import ROLES, WorkerNode
@@ -120,8 +121,14 @@ def serve(
     node.addr = advertised(bind(server, listen))
     node.data_addr = advertised(f"{host}:{data_server.port}")
     server.start()
-    local = LocalServer(node, service.pages)
+    local = LocalServer(node)
     local.start()
+    page_server = native.PageServer(
+        socket_address(page_socket_name(node.local_socket)),
+        node.pages.index,
+        token,
+        pool.capacity_bytes,
+    )
     metrics = MetricsServer(
         metrics_listen,
         lambda: _samples(node, transfers),
@@ -151,9 +158,11 @@ def serve(
         on_ready(node)
     stop.wait()
     log.info("worker %s stopping", node.name)
+    page_server.stop()
     local.close()
     node.instances.close()
     metrics.close()
     data_server.stop()
     node.stop()
     server.stop(grace=0.5).wait(5)
+    node.pages.close()

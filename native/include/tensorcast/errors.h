@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace tc {
 
@@ -19,6 +20,14 @@ struct ShortFileError : NativeError {
 // the message carries the path or address and strerror.
 struct IoError : NativeError {
     using NativeError::NativeError;
+};
+
+// A refusal the caller must see as a typed TensorCast error: `kind` is the class name in
+// tensorcast.errors ("InvalidArgument", "ResourceExhausted", "IntegrityError", ...).
+struct StatusError : NativeError {
+    StatusError(std::string kind, const std::string& message)
+        : NativeError(message), kind(std::move(kind)) {}
+    std::string kind;
 };
 
 // Why a data-plane transfer failed; stable names for callers to branch on.

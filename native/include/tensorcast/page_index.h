@@ -1,0 +1,123 @@
+// The KV pages a worker holds: many small keyed tensors in the pool, indexed here (not in the
+// Global Store). One index per worker, used by its Python side (gRPC page service, hand-off,
+// prefetch) and by the native page server for same-host callers, which never takes the GIL.
+//
+// A shard home holds the pages of the shards it leases (home = true); any worker may keep
+// copies of pages homed elsewhere (home = false, token 0). Pages expire after their TTL and are
+// evicted least recently used when the pool is full. Readers copy straight out of the pool and
+// check the page hash, so a region evicted and reused during a copy is detected.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "tensorcast/arena.h"
+
+namespace tc {
+
+constexpr uint64_t kMaxPageBytes = 64ull << 20;
+constexpr size_t kMaxPageBatch = 4096;
+constexpr size_t kMaxPageKeyBytes = 512;
+constexpr double kMaxPageTtlS = 7 * 24 * 3600.0;
+
+double monotonic_s();  // CLOCK_MONOTONIC, the clock of Python's time.monotonic()
+
+struct PageWrite {
+    std::string key;
+    uint32_t shard = 0;
+    uint64_t token = 0;
+    std::string dtype;
+    std::vector<int64_t> shape;
+    uint64_t offset = 0;  // where its bytes were written in the pool
+    uint64_t size_bytes = 0;
+    std::string hash;  // hex tree hash the writer claims
+};
+
+struct Page : PageWrite {
+    double expires_at = 0;  // monotonic seconds
+    bool home = false;
+};
+
+struct PageKey {
+    std::string key;
+    uint32_t shard = 0;
+    uint64_t token = 0;  // 0: any copy; else the page must be homed here under `shard`
+};
+
+struct PageIndexStats {
+    uint64_t pages = 0;
+    uint64_t home_pages = 0;
+    uint64_t bytes = 0;
+};
+
+// Called (without the index lock) when a page operation names a lease this index does not hold
+// under exactly that token; it may refresh the worker's lease table and push it here. Throws
+// StatusError("FencingError") to refuse.
+using LeaseFallback = std::function<void(const std::vector<std::pair<uint32_t, uint64_t>>&)>;
+
+class PageIndex {
+public:
+    // `base` is the pool's memory (the arena the allocator hands out), `itemsizes` the dtype
+    // names pages may carry and their element sizes.
+    PageIndex(uint8_t* base, std::shared_ptr<ArenaAllocator> arena,
+              std::map<std::string, uint64_t> itemsizes);
+
+    // -- writing --
+    // Regions for a batch of pages; evicts least recently used pages to make room (unless
+    // `evict` is false: then a full pool is ResourceExhausted). All or nothing.
+    std::vector<uint64_t> allocate(const std::vector<uint64_t>& sizes, bool evict);
+    void free(const std::vector<uint64_t>& offsets);
+    // Index written pages after checking them and their hashes. All or nothing: on any error
+    // every region of the batch is freed and the index is unchanged. With `if_absent` a live
+    // home page already under a key stays (the new copy is freed).
+    void commit(const std::vector<PageWrite>& writes, double ttl_s, bool home, bool if_absent);
+
+    // -- reading --
+    std::vector<std::optional<Page>> lookup(const std::vector<PageKey>& keys);
+    uint8_t* base() const { return base_; }
+
+    // -- leases (the worker's view, pushed by its lease cache) --
+    void set_leases(const std::map<uint32_t, std::pair<uint64_t, double>>& held);
+    void set_lease_fallback(LeaseFallback fallback);
+    // Throws StatusError("FencingError") unless this worker homes every (shard, token).
+    void check_leases(const std::vector<std::pair<uint32_t, uint64_t>>& shard_tokens);
+
+    // -- lifecycle --
+    std::vector<Page> home_pages(uint32_t shard, uint64_t max_token);  // soonest expiry first
+    size_t drop_shards(const std::set<uint32_t>& shards, std::optional<uint64_t> max_token);
+    size_t expire();
+    PageIndexStats stats();
+
+private:
+    struct Entry {
+        Page page;
+        std::list<std::string>::iterator lru;
+    };
+    void check_write(const PageWrite& w) const;
+    uint64_t allocate_one(uint64_t size, bool evict);
+    bool evict_one();
+    void remove_locked(std::unordered_map<std::string, Entry>::iterator it);
+
+    uint8_t* const base_;
+    const std::shared_ptr<ArenaAllocator> arena_;
+    const std::map<std::string, uint64_t> itemsizes_;
+    std::mutex mutex_;
+    std::unordered_map<std::string, Entry> pages_;
+    std::list<std::string> lru_;  // front: least recently used
+    uint64_t bytes_ = 0;
+    std::mutex lease_mutex_;
+    std::map<uint32_t, std::pair<uint64_t, double>> held_;  // shard -> (token, local deadline)
+    LeaseFallback fallback_;
+};
+
+}  // namespace tc

@@ -1,0 +1,294 @@
+#include "tensorcast/page_index.h"
+
+#include <time.h>
+
+#include <algorithm>
+
+#include "tensorcast/errors.h"
+#include "tensorcast/hash.h"
+
+namespace tc {
+namespace {
+
+std::string hex(const Digest& digest) {
+    static const char* digits = "0123456789abcdef";
+    std::string out(2 * digest.size(), '0');
+    for (size_t i = 0; i < digest.size(); ++i) {
+        out[2 * i] = digits[digest[i] >> 4];
+        out[2 * i + 1] = digits[digest[i] & 15];
+    }
+    return out;
+}
+
+std::string quoted(const std::string& key) { return "'" + key.substr(0, 80) + "'"; }
+
+}  // namespace
+
+double monotonic_s() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+PageIndex::PageIndex(uint8_t* base, std::shared_ptr<ArenaAllocator> arena,
+                     std::map<std::string, uint64_t> itemsizes)
+    : base_(base), arena_(std::move(arena)), itemsizes_(std::move(itemsizes)) {}
+
+// -- writing -----------------------------------------------------------------------------------
+
+std::vector<uint64_t> PageIndex::allocate(const std::vector<uint64_t>& sizes, bool evict) {
+    if (sizes.size() > kMaxPageBatch)
+        throw StatusError("InvalidArgument", "batch of " + std::to_string(sizes.size()) +
+                                                 " pages, the limit is " +
+                                                 std::to_string(kMaxPageBatch));
+    std::vector<uint64_t> offsets;
+    offsets.reserve(sizes.size());
+    try {
+        for (uint64_t size : sizes) {
+            if (size > kMaxPageBytes)
+                throw StatusError("InvalidArgument", "page of " + std::to_string(size) +
+                                                         " bytes, the limit is " +
+                                                         std::to_string(kMaxPageBytes));
+            offsets.push_back(allocate_one(size, evict));
+        }
+    } catch (...) {
+        free(offsets);
+        throw;
+    }
+    return offsets;
+}
+
+uint64_t PageIndex::allocate_one(uint64_t size, bool evict) {
+    while (true) {
+        try {
+            return arena_->allocate(size);
+        } catch (const StatusError& e) {
+            // A page larger than the whole arena never fits: evicting would only lose pages.
+            if (!evict || e.kind != "ResourceExhausted" || size > arena_->capacity_bytes() ||
+                !evict_one())
+                throw;
+        }
+    }
+}
+
+bool PageIndex::evict_one() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (lru_.empty()) return false;
+    remove_locked(pages_.find(lru_.front()));
+    return true;
+}
+
+void PageIndex::free(const std::vector<uint64_t>& offsets) {
+    for (uint64_t offset : offsets) arena_->free(offset);
+}
+
+void PageIndex::check_write(const PageWrite& w) const {
+    const bool printable = std::all_of(w.key.begin(), w.key.end(), [](char c) {
+        return static_cast<unsigned char>(c) >= 0x20 && c != 0x7f;
+    });
+    if (w.key.empty() || w.key.size() > kMaxPageKeyBytes || !printable)
+        throw StatusError("InvalidArgument", "bad page key " + quoted(w.key) + ": 1-" +
+                                                 std::to_string(kMaxPageKeyBytes) +
+                                                 " printable chars");
+    auto itemsize = itemsizes_.find(w.dtype);
+    uint64_t elements = 1;
+    bool bad_shape = false;
+    for (int64_t d : w.shape) {
+        if (d < 0 || (d > 0 && elements > kMaxPageBytes / uint64_t(d))) bad_shape = true;
+        else elements *= uint64_t(d);
+    }
+    if (itemsize == itemsizes_.end() || bad_shape)
+        throw StatusError("InvalidArgument", "page " + quoted(w.key) + ": bad dtype '" +
+                                                 w.dtype.substr(0, 40) + "' or shape");
+    if (elements * itemsize->second != w.size_bytes)
+        throw StatusError("InvalidArgument", "page " + quoted(w.key) + ": " +
+                                                 std::to_string(w.size_bytes) +
+                                                 " bytes do not match its dtype and shape");
+    if (w.size_bytes > kMaxPageBytes)
+        throw StatusError("InvalidArgument", "page " + quoted(w.key) + ": " +
+                                                 std::to_string(w.size_bytes) +
+                                                 " bytes, the limit is " +
+                                                 std::to_string(kMaxPageBytes));
+    const uint64_t region = arena_->size_of(w.offset);  // throws for a region not allocated
+    if (w.size_bytes > region)
+        throw StatusError("InvalidArgument", "page " + quoted(w.key) + " is larger than its region");
+}
+
+void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s, bool home,
+                       bool if_absent) {
+    std::vector<uint64_t> offsets;
+    for (const auto& w : writes) offsets.push_back(w.offset);
+    try {
+        if (!(ttl_s > 0 && ttl_s <= kMaxPageTtlS))
+            throw StatusError("InvalidArgument", "page ttl_s must be in (0, " +
+                                                     std::to_string(int64_t(kMaxPageTtlS)) +
+                                                     "], not " + std::to_string(ttl_s));
+        for (const auto& w : writes) check_write(w);
+        std::vector<std::pair<const uint8_t*, size_t>> regions;
+        for (const auto& w : writes) regions.emplace_back(base_ + w.offset, w.size_bytes);
+        const auto digests = tree_hash_many(regions, 0);
+        for (size_t i = 0; i < writes.size(); ++i) {
+            const std::string got = hex(digests[i]);
+            if (got != writes[i].hash)
+                throw StatusError("IntegrityError",
+                                  "page " + quoted(writes[i].key) + ": bytes hash to " + got +
+                                      ", the writer claimed " + writes[i].hash.substr(0, 64) +
+                                      "; nothing was stored");
+        }
+    } catch (...) {
+        for (uint64_t offset : offsets) {
+            try {
+                arena_->free(offset);
+            } catch (const StatusError&) {  // not an allocated region: nothing to give back
+            }
+        }
+        throw;
+    }
+    const double now = monotonic_s();
+    std::vector<uint64_t> unused;  // freed after the lock: the arena has its own
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (const auto& w : writes) {
+            auto old = pages_.find(w.key);
+            if (if_absent && old != pages_.end() && old->second.page.home &&
+                old->second.page.expires_at > now) {
+                unused.push_back(w.offset);
+                continue;
+            }
+            if (old != pages_.end()) remove_locked(old);
+            Page page;
+            static_cast<PageWrite&>(page) = w;
+            if (!home) page.token = 0;
+            page.expires_at = now + ttl_s;
+            page.home = home;
+            lru_.push_back(w.key);
+            pages_.emplace(w.key, Entry{std::move(page), std::prev(lru_.end())});
+            bytes_ += w.size_bytes;
+        }
+    }
+    free(unused);
+}
+
+// -- reading -----------------------------------------------------------------------------------
+
+std::vector<std::optional<Page>> PageIndex::lookup(const std::vector<PageKey>& keys) {
+    if (keys.size() > kMaxPageBatch)
+        throw StatusError("InvalidArgument", "batch of " + std::to_string(keys.size()) +
+                                                 " keys, the limit is " +
+                                                 std::to_string(kMaxPageBatch));
+    const double now = monotonic_s();
+    std::vector<std::optional<Page>> found;
+    found.reserve(keys.size());
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& k : keys) {
+        auto it = pages_.find(k.key);
+        if (it == pages_.end() || it->second.page.expires_at <= now ||
+            (k.token != 0 && (!it->second.page.home || it->second.page.shard != k.shard))) {
+            found.emplace_back();
+            continue;
+        }
+        lru_.splice(lru_.end(), lru_, it->second.lru);
+        found.emplace_back(it->second.page);
+    }
+    return found;
+}
+
+// -- leases ------------------------------------------------------------------------------------
+
+void PageIndex::set_leases(const std::map<uint32_t, std::pair<uint64_t, double>>& held) {
+    std::lock_guard<std::mutex> lock(lease_mutex_);
+    held_ = held;
+}
+
+void PageIndex::set_lease_fallback(LeaseFallback fallback) {
+    std::lock_guard<std::mutex> lock(lease_mutex_);
+    fallback_ = std::move(fallback);
+}
+
+void PageIndex::check_leases(const std::vector<std::pair<uint32_t, uint64_t>>& shard_tokens) {
+    LeaseFallback fallback;
+    {
+        const double now = monotonic_s();
+        std::lock_guard<std::mutex> lock(lease_mutex_);
+        bool all_held = true;
+        for (const auto& [shard, token] : shard_tokens) {
+            auto it = held_.find(shard);
+            if (it == held_.end() || it->second.first != token || it->second.second <= now) {
+                all_held = false;
+                break;
+            }
+        }
+        if (all_held) return;
+        fallback = fallback_;
+    }
+    // Not held as named: the worker's own rules decide (a newer token may mean a lease just
+    // moved here, learned from the Global Store on demand).
+    if (!fallback) throw StatusError("FencingError", "this worker does not hold the named leases");
+    fallback(shard_tokens);
+}
+
+// -- lifecycle ---------------------------------------------------------------------------------
+
+std::vector<Page> PageIndex::home_pages(uint32_t shard, uint64_t max_token) {
+    const double now = monotonic_s();
+    std::vector<Page> out;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (const auto& [key, entry] : pages_) {
+            const Page& p = entry.page;
+            if (p.home && p.shard == shard && p.token <= max_token && p.expires_at > now)
+                out.push_back(p);
+        }
+    }
+    std::sort(out.begin(), out.end(),
+              [](const Page& a, const Page& b) { return a.expires_at < b.expires_at; });
+    return out;
+}
+
+size_t PageIndex::drop_shards(const std::set<uint32_t>& shards, std::optional<uint64_t> max_token) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t dropped = 0;
+    for (auto it = pages_.begin(); it != pages_.end();) {
+        const Page& p = it->second.page;
+        auto next = std::next(it);
+        if (p.home && shards.count(p.shard) && (!max_token || p.token <= *max_token)) {
+            remove_locked(it);
+            ++dropped;
+        }
+        it = next;
+    }
+    return dropped;
+}
+
+size_t PageIndex::expire() {
+    const double now = monotonic_s();
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t expired = 0;
+    for (auto it = pages_.begin(); it != pages_.end();) {
+        auto next = std::next(it);
+        if (it->second.page.expires_at <= now) {
+            remove_locked(it);
+            ++expired;
+        }
+        it = next;
+    }
+    return expired;
+}
+
+PageIndexStats PageIndex::stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    PageIndexStats s;
+    s.pages = pages_.size();
+    s.bytes = bytes_;
+    for (const auto& [key, entry] : pages_) s.home_pages += entry.page.home;
+    return s;
+}
+
+void PageIndex::remove_locked(std::unordered_map<std::string, Entry>::iterator it) {
+    bytes_ -= it->second.page.size_bytes;
+    arena_->free(it->second.page.offset);
+    lru_.erase(it->second.lru);
+    pages_.erase(it);
+}
+
+}  // namespace tc

@@ -1,0 +1,432 @@
+#include "tensorcast/page_server.h"
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cerrno>
+#include <cstring>
+#include <list>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "net.h"
+#include "tensorcast/errors.h"
+
+namespace tc {
+namespace {
+
+using net::Clock;
+
+enum Op : uint8_t { kHello = 1, kAlloc = 2, kCommit = 3, kGet = 4, kExists = 5 };
+constexpr size_t kHeaderBytes = 8;
+constexpr int kBodyStallMs = 10000;  // a request's body must keep arriving
+constexpr uint32_t kMaxErrorBytes = 4096;
+// Engines send page requests back to back, and a thread asleep in poll() takes tens of
+// microseconds to wake: after each reply, watch for the next request this long before sleeping.
+// (Costs at most this much CPU per burst of requests; halves a single page's round trip here.)
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+void spin_until_readable(int fd) {
+    const auto until = Clock::now() + kSpin;
+    pollfd p{fd, POLLIN, 0};
+    // Yielding keeps a spinning thread from starving the callers it waits for (few cores).
+    while (::poll(&p, 1, 0) == 0 && Clock::now() < until) sched_yield();
+}
+
+StatusError malformed(const std::string& what) {
+    return StatusError("InvalidArgument", "malformed page request: " + what);
+}
+
+// Bounds-checked little-endian reads from a request body.
+class Reader {
+public:
+    Reader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+
+    template <typename T>
+    T number() {
+        need(sizeof(T));
+        T value;
+        std::memcpy(&value, data_ + at_, sizeof(T));
+        at_ += sizeof(T);
+        return value;
+    }
+    std::string str() {
+        const uint16_t n = number<uint16_t>();
+        need(n);
+        std::string out(reinterpret_cast<const char*>(data_ + at_), n);
+        at_ += n;
+        return out;
+    }
+    std::vector<int64_t> shape() {
+        const uint8_t ndim = number<uint8_t>();
+        std::vector<int64_t> out(ndim);
+        for (auto& d : out) d = number<int64_t>();
+        return out;
+    }
+    uint32_t count(size_t limit, size_t min_item_bytes) {
+        const uint32_t n = number<uint32_t>();
+        if (n > limit) throw StatusError("InvalidArgument", "batch of " + std::to_string(n) +
+                                                                " items, the limit is " +
+                                                                std::to_string(limit));
+        need(size_t(n) * min_item_bytes);  // cheap guard before reserving anything
+        return n;
+    }
+    void end() const {
+        if (at_ != size_) throw malformed(std::to_string(size_ - at_) + " trailing bytes");
+    }
+
+private:
+    void need(size_t n) const {
+        if (n > size_ - at_) throw malformed("body ends early");
+    }
+    const uint8_t* data_;
+    size_t size_;
+    size_t at_ = 0;
+};
+
+class Writer {
+public:
+    template <typename T>
+    void number(T value) {
+        const size_t at = out.size();
+        out.resize(at + sizeof(T));
+        std::memcpy(out.data() + at, &value, sizeof(T));
+    }
+    void str(const std::string& s) {
+        const uint16_t n = uint16_t(std::min<size_t>(s.size(), 0xffff));
+        number(n);
+        out.insert(out.end(), s.begin(), s.begin() + n);
+    }
+    void shape(const std::vector<int64_t>& dims) {
+        number(uint8_t(dims.size()));
+        for (int64_t d : dims) number(d);
+    }
+    std::vector<uint8_t> out;
+};
+
+std::vector<PageKey> read_keys(Reader& in) {
+    std::vector<PageKey> keys(in.count(kMaxPageBatch, 14));
+    for (auto& k : keys) {
+        k.key = in.str();
+        k.shard = in.number<uint32_t>();
+        k.token = in.number<uint64_t>();
+    }
+    in.end();
+    return keys;
+}
+
+std::vector<std::pair<uint32_t, uint64_t>> named_leases(const std::vector<PageKey>& keys) {
+    std::set<std::pair<uint32_t, uint64_t>> named;
+    for (const auto& k : keys)
+        if (k.token != 0) named.emplace(k.shard, k.token);
+    return {named.begin(), named.end()};
+}
+
+bool same_token(const std::string& a, const std::string& b) {
+    if (a.size() != b.size()) return false;
+    unsigned char diff = 0;  // constant time: no early exit on the first difference
+    for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+    return diff == 0;
+}
+
+struct Connection {
+    net::Fd fd;
+    std::thread thread;
+    std::atomic<bool> finished{false};
+    bool authenticated = false;
+    std::map<uint64_t, uint64_t> regions;  // offset -> page size: allocated, not committed
+};
+
+}  // namespace
+
+struct PageServer::Impl {
+    std::shared_ptr<PageIndex> index;
+    std::string token;
+    uint64_t arena_bytes = 0;
+    net::Fd listener;
+    net::Fd wake;
+    std::mutex connections_mutex;
+    std::list<std::unique_ptr<Connection>> connections;
+    std::thread accept_thread;
+    std::once_flag stop_once;
+    std::atomic<uint64_t> requests{0}, errors_sent{0}, active{0}, accepted{0};
+
+    void accept_loop();
+    void reap_finished();
+    void serve(Connection& c);
+    void handle(Connection& c, uint8_t op, const std::vector<uint8_t>& body, Writer& out);
+    void commit(Connection& c, Reader& in, Writer& out);
+    bool send(int fd, uint8_t status, const std::vector<uint8_t>& body);
+};
+
+PageServer::PageServer(const std::string& address, std::shared_ptr<PageIndex> index,
+                       std::string token, uint64_t arena_bytes)
+    : impl_(std::make_unique<Impl>()) {
+    Impl& s = *impl_;
+    if (token.empty()) throw std::invalid_argument("PageServer: empty token");
+    s.index = std::move(index);
+    s.token = std::move(token);
+    s.arena_bytes = arena_bytes;
+    s.wake = net::make_wake_fd();
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (address.empty() || address.size() >= sizeof addr.sun_path)
+        throw std::invalid_argument("PageServer: bad socket address");
+    std::memcpy(addr.sun_path, address.data(), address.size());
+    const socklen_t size = socklen_t(offsetof(sockaddr_un, sun_path) + address.size());
+    net::Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid() || ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), size) != 0 ||
+        ::listen(fd.get(), 64) != 0)
+        throw IoError("PageServer: cannot listen on the page socket: " +
+                      std::string(std::strerror(errno)));
+    net::set_nonblocking(fd.get());
+    s.listener = std::move(fd);
+    s.accept_thread = std::thread([&s] { s.accept_loop(); });
+}
+
+PageServer::~PageServer() { stop(); }
+
+PageServerStats PageServer::stats() const {
+    const Impl& s = *impl_;
+    return {s.requests, s.errors_sent, s.active, s.accepted};
+}
+
+void PageServer::stop() {
+    Impl& s = *impl_;
+    std::call_once(s.stop_once, [&s] {
+        net::signal_wake(s.wake.get());
+        if (s.accept_thread.joinable()) s.accept_thread.join();
+        std::lock_guard<std::mutex> lock(s.connections_mutex);
+        for (auto& c : s.connections)
+            if (c->thread.joinable()) c->thread.join();
+        s.connections.clear();
+        s.listener.reset();
+    });
+}
+
+void PageServer::Impl::reap_finished() {
+    for (auto it = connections.begin(); it != connections.end();) {
+        if ((*it)->finished) {
+            (*it)->thread.join();
+            it = connections.erase(it);
+        } else {
+            ++it;
+        }
+    }
+}
+
+void PageServer::Impl::accept_loop() {
+    for (;;) {
+        const net::Wait wait = net::wait_for(listener.get(), POLLIN, wake.get(),
+                                             Clock::now() + std::chrono::seconds(1));
+        if (wait == net::Wait::kWoken) return;
+        std::lock_guard<std::mutex> lock(connections_mutex);
+        reap_finished();
+        if (wait == net::Wait::kTimeout) continue;
+        for (;;) {
+            net::Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+            if (!fd.valid()) break;
+            if (connections.size() >= kMaxPageConnections) continue;  // closes it: refused
+            auto c = std::make_unique<Connection>();
+            c->fd = std::move(fd);
+            Connection* raw = c.get();
+            connections.push_back(std::move(c));
+            ++accepted;
+            ++active;
+            try {
+                raw->thread = std::thread([this, raw] {
+                    try {
+                        serve(*raw);
+                    } catch (const std::exception&) {  // bad_alloc: drop this connection only
+                    }
+                    std::vector<uint64_t> regions;
+                    for (const auto& [offset, size] : raw->regions) regions.push_back(offset);
+                    raw->regions.clear();
+                    try {
+                        index->free(regions);
+                    } catch (const std::exception&) {
+                    }
+                    ::shutdown(raw->fd.get(), SHUT_RDWR);
+                    --active;
+                    raw->finished = true;
+                });
+            } catch (const std::system_error&) {  // thread limit: refuse this one
+                connections.pop_back();
+                --active;
+            }
+        }
+    }
+}
+
+bool PageServer::Impl::send(int fd, uint8_t status, const std::vector<uint8_t>& body) {
+    uint8_t header[kHeaderBytes] = {kPageProtocolVersion, status, 0, 0};
+    const uint32_t size = uint32_t(body.size());
+    std::memcpy(header + 4, &size, 4);
+    iovec iov[2] = {{header, kHeaderBytes}, {const_cast<uint8_t*>(body.data()), body.size()}};
+    net::IoLimits limits;
+    limits.wake_fd = wake.get();
+    limits.stall_ms = kBodyStallMs;
+    return net::send_all(fd, iov, 2, limits, nullptr) == net::Io::kOk;
+}
+
+void PageServer::Impl::serve(Connection& c) {
+    const int fd = c.fd.get();
+    std::vector<uint8_t> body;
+    for (;;) {
+        uint8_t header[kHeaderBytes];
+        net::IoLimits idle;  // between requests a connection may wait as long as it likes
+        idle.wake_fd = wake.get();
+        spin_until_readable(fd);
+        if (net::recv_all(fd, header, kHeaderBytes, idle, nullptr) != net::Io::kOk) return;
+        uint32_t size;
+        std::memcpy(&size, header + 4, 4);
+        std::vector<uint8_t> reply;
+        bool keep = true;
+        try {
+            // A bad header leaves the stream unreadable: answer, then close.
+            keep = false;
+            if (header[0] != kPageProtocolVersion)
+                throw StatusError("InvalidArgument",
+                                  "page protocol version " + std::to_string(header[0]) +
+                                      ", this worker speaks " +
+                                      std::to_string(kPageProtocolVersion));
+            if (size > kMaxPageRequestBytes)
+                throw StatusError("InvalidArgument", "page request of " + std::to_string(size) +
+                                                         " bytes, the limit is " +
+                                                         std::to_string(kMaxPageRequestBytes));
+            body.resize(size);
+            net::IoLimits limits;
+            limits.wake_fd = wake.get();
+            limits.stall_ms = kBodyStallMs;
+            if (net::recv_all(fd, body.data(), size, limits, nullptr) != net::Io::kOk) return;
+            ++requests;
+            keep = true;
+            Writer out;
+            handle(c, header[1], body, out);
+            reply = std::move(out.out);
+        } catch (const StatusError& e) {
+            ++errors_sent;
+            Writer error;
+            error.str(e.kind);
+            const size_t n = std::min<size_t>(std::strlen(e.what()), kMaxErrorBytes);
+            error.number(uint32_t(n));
+            error.out.insert(error.out.end(), e.what(), e.what() + n);
+            send(fd, 1, error.out);
+            if (!keep || !c.authenticated) return;
+            continue;
+        }
+        if (!send(fd, 0, reply)) return;
+    }
+}
+
+void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8_t>& body,
+                              Writer& out) {
+    Reader in(body.data(), body.size());
+    if (op == kHello) {
+        const std::string given = in.str();
+        in.end();
+        if (!same_token(given, token))
+            throw StatusError("Unauthenticated", "missing or wrong cluster token");
+        c.authenticated = true;
+        out.number(arena_bytes);
+        return;
+    }
+    if (!c.authenticated) throw StatusError("Unauthenticated", "say HELLO with the token first");
+    switch (op) {
+        case kAlloc: {
+            std::vector<uint64_t> sizes(in.count(kMaxPageBatch, 8));
+            for (auto& n : sizes) n = in.number<uint64_t>();
+            in.end();
+            const auto offsets = index->allocate(sizes, true);
+            out.number(uint32_t(offsets.size()));
+            for (size_t i = 0; i < offsets.size(); ++i) {
+                c.regions[offsets[i]] = sizes[i];
+                out.number(offsets[i]);
+            }
+            return;
+        }
+        case kCommit:
+            commit(c, in, out);
+            return;
+        case kGet:
+        case kExists: {
+            const auto keys = read_keys(in);
+            index->check_leases(named_leases(keys));
+            const auto found = index->lookup(keys);
+            out.number(uint32_t(found.size()));
+            for (const auto& page : found) {
+                out.number(uint8_t(page.has_value()));
+                if (op == kExists || !page) continue;
+                out.number(page->offset);
+                out.number(page->size_bytes);
+                out.str(page->dtype);
+                out.shape(page->shape);
+                out.str(page->hash);
+            }
+            return;
+        }
+        default:
+            throw StatusError("InvalidArgument", "unknown page operation " + std::to_string(op));
+    }
+}
+
+void PageServer::Impl::commit(Connection& c, Reader& in, Writer& out) {
+    const double ttl_s = in.number<double>();
+    std::vector<PageWrite> writes(in.count(kMaxPageBatch, 40));
+    for (auto& w : writes) {
+        w.key = in.str();
+        w.shard = in.number<uint32_t>();
+        w.token = in.number<uint64_t>();
+        w.dtype = in.str();
+        w.shape = in.shape();
+        w.offset = in.number<uint64_t>();
+        w.size_bytes = in.number<uint64_t>();
+        w.hash = in.str();
+    }
+    std::vector<uint64_t> ahead(in.count(kMaxPageBatch, 8));
+    for (auto& n : ahead) n = in.number<uint64_t>();
+    in.end();
+    // Only regions this connection allocated, each named once, with the page's size.
+    std::set<uint64_t> named;
+    for (const auto& w : writes) {
+        auto region = c.regions.find(w.offset);
+        if (region == c.regions.end() || region->second != w.size_bytes ||
+            !named.insert(w.offset).second)
+            throw StatusError("InvalidArgument",
+                              "a page region is not this connection's, is named twice, or does "
+                              "not have the page's size");
+    }
+    for (const auto& w : writes) c.regions.erase(w.offset);
+    std::set<std::pair<uint32_t, uint64_t>> leases;
+    for (const auto& w : writes) leases.emplace(w.shard, w.token);
+    try {
+        index->check_leases({leases.begin(), leases.end()});
+    } catch (...) {
+        index->free({named.begin(), named.end()});
+        throw;
+    }
+    index->commit(writes, ttl_s, true, false);  // frees the regions itself on error
+    // Reserve as much again for the caller's next put, within a bound per connection; best
+    // effort: a full pool reserves nothing and the next put allocates as usual.
+    uint64_t spare = 0, wanted = 0;
+    for (const auto& [offset, size] : c.regions) spare += size;
+    for (uint64_t n : ahead) wanted += std::min(n, kMaxSpareBytes + 1);
+    std::vector<uint64_t> offsets;
+    if (!ahead.empty() && spare + wanted <= kMaxSpareBytes) {
+        try {
+            offsets = index->allocate(ahead, false);
+        } catch (const StatusError&) {
+        }
+    }
+    out.number(uint32_t(offsets.size()));
+    for (size_t i = 0; i < offsets.size(); ++i) {
+        c.regions[offsets[i]] = ahead[i];
+        out.number(offsets[i]);
+    }
+}
+
+}  // namespace tc

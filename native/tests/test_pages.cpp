@@ -1,0 +1,168 @@
+// Plain C++ checks of the arena allocator and the KV page index; exits non-zero on any failure.
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "tensorcast/arena.h"
+#include "tensorcast/errors.h"
+#include "tensorcast/hash.h"
+#include "tensorcast/page_index.h"
+
+namespace {
+
+// The kind of StatusError `fn` throws, or "" when it throws none.
+template <typename Fn>
+std::string error_kind(Fn&& fn) {
+    try {
+        fn();
+    } catch (const tc::StatusError& e) {
+        return e.kind;
+    }
+    return "";
+}
+
+std::string hex_hash(const uint8_t* data, size_t size) {
+    const auto digests = tc::tree_hash_many({{data, size}}, 1);
+    static const char* digits = "0123456789abcdef";
+    std::string out;
+    for (uint8_t b : digests[0]) {
+        out += digits[b >> 4];
+        out += digits[b & 15];
+    }
+    return out;
+}
+
+void test_arena_aligns_coalesces_and_reports_exhaustion() {
+    tc::ArenaAllocator arena(16 * 4096);
+    const uint64_t a = arena.allocate(1);
+    const uint64_t b = arena.allocate(4097);
+    const uint64_t c = arena.allocate(0);
+    CHECK(a % 4096 == 0 && b % 4096 == 0 && c % 4096 == 0);
+    CHECK(arena.size_of(b) == 2 * 4096 && arena.size_of(c) == 4096);
+    CHECK(arena.used_bytes() == 4 * 4096);
+    CHECK(error_kind([&] { arena.allocate(13 * 4096); }) == "ResourceExhausted");
+    CHECK(error_kind([&] { arena.free(a + 4096 * 100); }) == "InvalidArgument");
+    arena.free(b);
+    arena.free(a);
+    arena.free(c);
+    CHECK(arena.used_bytes() == 0);
+    const auto blocks = arena.free_blocks();
+    CHECK(blocks.size() == 1 && blocks[0].first == 0 && blocks[0].second == 16 * 4096);
+    CHECK(error_kind([] { tc::ArenaAllocator bad(4095); }) == "InvalidArgument");
+}
+
+struct Fixture {
+    std::vector<uint8_t> memory = std::vector<uint8_t>(64 * 4096);
+    std::shared_ptr<tc::ArenaAllocator> arena =
+        std::make_shared<tc::ArenaAllocator>(64 * 4096);
+    tc::PageIndex index{memory.data(), arena, {{"U8", 1}, {"F32", 4}}};
+
+    // A page of `size` bytes filled with `fill`, written into a fresh region.
+    tc::PageWrite write(const std::string& key, uint64_t size, uint8_t fill, uint32_t shard = 0,
+                        uint64_t token = 1) {
+        tc::PageWrite w;
+        w.key = key;
+        w.shard = shard;
+        w.token = token;
+        w.dtype = "U8";
+        w.shape = {int64_t(size)};
+        w.size_bytes = size;
+        w.offset = index.allocate({size}, true)[0];
+        std::memset(memory.data() + w.offset, fill, size);
+        w.hash = hex_hash(memory.data() + w.offset, size);
+        return w;
+    }
+};
+
+void test_commit_checks_everything_and_is_all_or_nothing() {
+    Fixture f;
+    const uint64_t before = f.arena->used_bytes();
+    auto good = f.write("a", 4096, 1);
+    auto bad_hash = f.write("b", 4096, 2);
+    bad_hash.hash = std::string(32, '0');
+    CHECK(error_kind([&] { f.index.commit({good, bad_hash}, 60, true, false); }) ==
+          "IntegrityError");
+    CHECK(f.arena->used_bytes() == before);  // both regions given back
+    CHECK(f.index.stats().pages == 0);
+
+    auto shape = f.write("c", 4096, 3);
+    shape.shape = {4097};
+    CHECK(error_kind([&] { f.index.commit({shape}, 60, true, false); }) == "InvalidArgument");
+    auto dtype = f.write("d", 4096, 3);
+    dtype.dtype = "X9";
+    CHECK(error_kind([&] { f.index.commit({dtype}, 60, true, false); }) == "InvalidArgument");
+    auto key = f.write(std::string("bad\nkey"), 4096, 3);
+    CHECK(error_kind([&] { f.index.commit({key}, 60, true, false); }) == "InvalidArgument");
+    auto ttl = f.write("e", 4096, 3);
+    CHECK(error_kind([&] { f.index.commit({ttl}, 0, true, false); }) == "InvalidArgument");
+    CHECK(f.arena->used_bytes() == before && f.index.stats().pages == 0);
+
+    auto ok = f.write("f", 8, 7);
+    ok.dtype = "F32";
+    ok.shape = {2};
+    f.index.commit({ok}, 60, true, false);
+    const auto found = f.index.lookup({{"f", 0, 1}, {"f", 3, 1}, {"f", 0, 0}, {"zz", 0, 0}});
+    CHECK(found[0] && found[0]->hash == ok.hash && found[0]->shape == std::vector<int64_t>{2});
+    CHECK(!found[1]);  // homed under another shard
+    CHECK(found[2]);   // token 0: any copy
+    CHECK(!found[3]);
+}
+
+void test_replacing_if_absent_lru_eviction_and_expiry() {
+    Fixture f;
+    f.index.commit({f.write("k", 4096, 1)}, 60, true, false);
+    auto again = f.write("k", 4096, 2);
+    f.index.commit({again}, 60, true, true);  // if_absent: the live page stays
+    CHECK(f.index.lookup({{"k", 0, 0}})[0]->hash != again.hash);
+    CHECK(f.index.stats().pages == 1 && f.arena->used_bytes() == 4096);
+    f.index.commit({f.write("k", 4096, 2)}, 60, true, false);  // replaced
+    CHECK(f.index.lookup({{"k", 0, 0}})[0]->hash == again.hash);
+    CHECK(f.arena->used_bytes() == 4096);
+
+    // Fill the 64-page arena with 16-page pages: the least recently used goes first.
+    for (int i = 0; i < 3; ++i)
+        f.index.commit({f.write("big" + std::to_string(i), 16 * 4096, 9)}, 60, true, false);
+    f.index.lookup({{"k", 0, 0}});  // touch: now the most recently used
+    f.index.commit({f.write("big3", 16 * 4096, 9)}, 60, true, false);
+    CHECK(!f.index.lookup({{"big0", 0, 0}})[0]);
+    CHECK(f.index.lookup({{"k", 0, 0}})[0] && f.index.lookup({{"big3", 0, 0}})[0]);
+    CHECK(error_kind([&] { f.index.allocate({65 * 4096}, true); }) == "ResourceExhausted");
+
+    f.index.commit({f.write("short", 4096, 4)}, 1e-3, true, false);
+    usleep(2000);
+    CHECK(!f.index.lookup({{"short", 0, 0}})[0]);
+    CHECK(f.index.expire() == 1);
+    CHECK(f.index.drop_shards({0}, std::nullopt) == 4);  // k, big1, big2, big3
+    CHECK(f.index.stats().pages == 0 && f.arena->used_bytes() == 0);
+}
+
+void test_leases_exact_match_then_fallback() {
+    Fixture f;
+    CHECK(error_kind([&] { f.index.check_leases({{0, 1}}); }) == "FencingError");
+    f.index.set_leases({{0, {5, tc::monotonic_s() + 60}}, {1, {2, tc::monotonic_s() - 1}}});
+    CHECK(error_kind([&] { f.index.check_leases({{0, 5}}); }).empty());
+    CHECK(error_kind([&] { f.index.check_leases({{0, 4}}); }) == "FencingError");
+    CHECK(error_kind([&] { f.index.check_leases({{1, 2}}); }) == "FencingError");  // expired
+    std::vector<std::pair<uint32_t, uint64_t>> asked;
+    f.index.set_lease_fallback([&](const std::vector<std::pair<uint32_t, uint64_t>>& named) {
+        asked = named;
+        if (named[0].second != 6) throw tc::StatusError("FencingError", "stale");
+    });
+    CHECK(error_kind([&] { f.index.check_leases({{0, 6}}); }).empty());
+    CHECK(asked.size() == 1 && asked[0].second == 6);
+    CHECK(error_kind([&] { f.index.check_leases({{0, 4}}); }) == "FencingError");
+}
+
+}  // namespace
+
+int main() {
+    test_arena_aligns_coalesces_and_reports_exhaustion();
+    test_commit_checks_everything_and_is_all_or_nothing();
+    test_replacing_if_absent_lru_eviction_and_expiry();
+    test_leases_exact_match_then_fallback();
+    if (failures) std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return failures ? 1 : 0;
+}
