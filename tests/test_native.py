@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorcast.errors import InvalidArgument
 from tensorcast.transport import native
@@ -98,3 +101,90 @@ def test_copy_many_rejects_bad_batches_and_copies_nothing():
         native.copy_many([view[2:6]], [view[0:4]])
     with pytest.raises(BufferError):  # a read-only dest
         native.copy_many([b"readonly"], [b"12345678"])
+
+
+def test_copy_hash_many_returns_the_hash_of_each_copy():
+    sources = [os.urandom(n) for n in (0, 1, 65539, 5 << 20)]
+    dests = [bytearray(len(s) + 1) for s in sources]
+    hashes = native.copy_hash_many(dests, sources)
+    assert hashes == [native.hash_buffer(s) for s in sources]
+    assert [bytes(d[:-1]) for d in dests] == sources
+
+
+def _page_server(tmp_name: str):
+    """A native page server over a fresh pool (no cluster): the worker's wiring in small."""
+    from tensorcast.transport.unix import page_socket_name, socket_address
+    from tensorcast.worker.pages import PageStore
+    from tensorcast.worker.pool import Pool
+
+    pool = Pool(8 << 20)
+    store = PageStore(pool)
+    store.index.set_leases({0: (1, time.monotonic() + 600)})
+    server = native.PageServer(
+        socket_address(page_socket_name(tmp_name)), store.index, "tok", pool.capacity_bytes
+    )
+    return pool, store, server
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=4), st.integers(0, 255), st.integers(0, 6))
+def test_page_server_answers_random_frames_and_loses_nothing(bodies, version, op):
+    """Random requests after a good HELLO: every reply is well formed, a committed page is
+    never disturbed, and closing the connection gives back every region it allocated."""
+    import socket
+    import struct
+
+    from tensorcast.sdk.page_client import PageConnection
+    from tensorcast.transport.unix import page_socket_name, socket_address
+
+    name = f"fuzz-{os.getpid()}"
+    pool, store, server = _page_server(name)
+    try:
+        conn = PageConnection(name, lambda: pool.view, "tok", 5)
+        (offset,) = conn.alloc([4096])
+        pool.view[offset : offset + 4096] = b"\x07" * 4096
+        page = {
+            "key": "keep",
+            "shard": 0,
+            "token": 1,
+            "dtype": "U8",
+            "shape": [4096],
+            "offset": offset,
+            "size_bytes": 4096,
+            "hash": native.hash_buffer(b"\x07" * 4096),
+        }
+        conn.commit(60, [page], [])
+        used = pool.arena.used_bytes
+        header = struct.Struct("<BBHI")
+        hello = b"\x03\x00tok"
+        raw = header.pack(1, 1, 0, len(hello)) + hello
+        for body in bodies:
+            raw += header.pack(version if body else 1, op, 0, len(body)) + body
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(socket_address(page_socket_name(name)))
+            s.sendall(raw)
+            s.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := s.recv(1 << 16):
+                data += chunk
+        replies = 0
+        while data:
+            v, status, _, size = header.unpack_from(data)
+            assert v == 1 and status in (0, 1) and len(data) >= header.size + size
+            data = data[header.size + size :]
+            replies += 1
+        assert 1 <= replies <= 1 + len(bodies)
+        # The raw connection is closed: its regions are back, the committed page untouched.
+        deadline = time.monotonic() + 5
+        while pool.arena.used_bytes != used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.arena.used_bytes == used
+        (found,) = conn.get([("keep", 0, 1)])
+        assert found is not None and found["hash"] == page["hash"]
+        assert bytes(pool.view[found["offset"] : found["offset"] + 4096]) == b"\x07" * 4096
+        conn.close()
+    finally:
+        server.stop()
+        store.close()
+        pool.close()

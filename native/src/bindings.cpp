@@ -157,6 +157,31 @@ private:
     nb::object fallback_;
 };
 
+// Copy jobs for copy_many / copy_hash_many; `views` keeps the buffers exported meanwhile.
+std::vector<tc::CopyJob> copy_jobs(nb::sequence dests, nb::sequence sources,
+                                   std::vector<BufferView>& views) {
+    const size_t count = nb::len(dests);
+    if (nb::len(sources) != count)
+        throw nb::value_error("copy_many: dests and sources differ in length");
+    views.reserve(2 * count);
+    std::vector<tc::CopyJob> jobs;
+    jobs.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+        views.emplace_back(dests[i], "each dest", true);
+        const BufferView& dest = views.back();
+        views.emplace_back(sources[i], "each source", false);
+        const BufferView& source = views.back();
+        check_fits("dest", 0, source.size_bytes(), dest.size_bytes());
+        const uint8_t* origin = source.data();
+        uint8_t* target = dest.data();
+        const size_t n = source.size_bytes();
+        if (n > 0 && target < origin + n && origin < target + n)
+            throw nb::value_error("copy_many: a dest overlaps its source");
+        jobs.push_back(tc::CopyJob{target, origin, n});
+    }
+    return jobs;
+}
+
 // Raises the tensorcast.errors class a StatusError names.
 void translate_status_error(const std::exception_ptr& error, void*) {
     try {
@@ -317,31 +342,30 @@ NB_MODULE(_native, m) {
     m.def(
         "copy_many",
         [](nb::sequence dests, nb::sequence sources, unsigned threads) {
-            const size_t count = nb::len(dests);
-            if (nb::len(sources) != count)
-                throw nb::value_error("copy_many: dests and sources differ in length");
             std::vector<BufferView> views;
-            views.reserve(2 * count);
-            std::vector<tc::CopyJob> jobs;
-            jobs.reserve(count);
-            for (size_t i = 0; i < count; ++i) {
-                views.emplace_back(dests[i], "each dest", true);
-                const BufferView& dest = views.back();
-                views.emplace_back(sources[i], "each source", false);
-                const BufferView& source = views.back();
-                check_fits("dest", 0, source.size_bytes(), dest.size_bytes());
-                const uint8_t* origin = source.data();
-                uint8_t* target = dest.data();
-                const size_t n = source.size_bytes();
-                if (n > 0 && target < origin + n && origin < target + n)
-                    throw nb::value_error("copy_many: a dest overlaps its source");
-                jobs.push_back(tc::CopyJob{target, origin, n});
-            }
+            const auto jobs = copy_jobs(dests, sources, views);
             nb::gil_scoped_release release;
             tc::parallel_copy_many(jobs, threads);
         },
         nb::arg("dests"), nb::arg("sources"), nb::arg("threads") = 0,
         "Copy each source into the start of its dest, the batch spread over threads.");
+
+    m.def(
+        "copy_hash_many",
+        [](nb::sequence dests, nb::sequence sources, unsigned threads) {
+            std::vector<BufferView> views;
+            const auto jobs = copy_jobs(dests, sources, views);
+            std::vector<tc::Digest> digests;
+            {
+                nb::gil_scoped_release release;
+                digests = tc::parallel_copy_hash_many(jobs, threads);
+            }
+            nb::list result;
+            for (const auto& digest : digests) result.append(to_bytes(digest));
+            return result;
+        },
+        nb::arg("dests"), nb::arg("sources"), nb::arg("threads") = 0,
+        "copy_many, returning the tree hash of each copy (computed while it is in cache).");
 
     m.attr("DATA_PLANE_DEFAULT_STREAMS") = tc::kDefaultPullStreams;
     m.attr("DATA_PLANE_DEFAULT_CHUNK_BYTES") = tc::kDefaultPullChunkBytes;

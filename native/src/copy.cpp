@@ -6,6 +6,9 @@
 
 #include "parallel.h"
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace tc {
 
 void parallel_copy(uint8_t* dest, const uint8_t* source, size_t size_bytes, unsigned threads) {
@@ -37,6 +40,53 @@ void parallel_copy_many(const std::vector<CopyJob>& jobs, unsigned threads) {
                 std::memcpy(jobs[i].dest, jobs[i].source, jobs[i].size_bytes);
         }
     });
+}
+
+namespace {
+
+// Copy in cache-sized pieces, feeding each piece of the dest to the chunk's streaming hash.
+Digest copy_and_hash(const CopyJob& job) {
+    constexpr size_t kPieceBytes = 64 << 10;
+    const size_t chunks = (job.size_bytes + kTreeHashChunkBytes - 1) / kTreeHashChunkBytes;
+    std::vector<uint8_t> record(chunks * 16 + 8);
+    XXH3_state_t state;
+    for (size_t c = 0; c < chunks; ++c) {
+        const size_t begin = c * kTreeHashChunkBytes;
+        const size_t end = std::min(job.size_bytes, begin + kTreeHashChunkBytes);
+        XXH3_128bits_reset(&state);
+        for (size_t at = begin; at < end; at += kPieceBytes) {
+            const size_t n = std::min(kPieceBytes, end - at);
+            std::memcpy(job.dest + at, job.source + at, n);
+            XXH3_128bits_update(&state, job.dest + at, n);
+        }
+        XXH128_canonical_t canonical;
+        XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
+        std::memcpy(record.data() + 16 * c, canonical.digest, 16);
+    }
+    for (int i = 0; i < 8; ++i) record[16 * chunks + i] = uint8_t(uint64_t(job.size_bytes) >> (8 * i));
+    XXH128_canonical_t canonical;
+    XXH128_canonicalFromHash(&canonical, XXH3_128bits(record.data(), record.size()));
+    Digest digest;
+    std::memcpy(digest.data(), canonical.digest, 16);
+    return digest;
+}
+
+}  // namespace
+
+std::vector<Digest> parallel_copy_hash_many(const std::vector<CopyJob>& jobs, unsigned threads) {
+    size_t total = 0;
+    for (const CopyJob& j : jobs) total += j.size_bytes;
+    const unsigned workers =
+        total < kParallelCopyManyMinBytes
+            ? 1
+            : unsigned(std::min<size_t>(detail::resolve_threads(threads), jobs.size()));
+    std::vector<Digest> digests(jobs.size());
+    std::atomic<size_t> next{0};
+    detail::run_workers(workers, [&](unsigned) {
+        for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();)
+            digests[i] = copy_and_hash(jobs[i]);
+    });
+    return digests;
 }
 
 }  // namespace tc

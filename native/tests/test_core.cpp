@@ -126,7 +126,29 @@ void test_parallel_copy() {
 
 }  // namespace
 
+void test_copy_hash_many_hashes_what_it_copied() {
+    // Sizes around the 64 KiB pieces and the 4 MiB chunks, enough in total to use threads.
+    const std::vector<size_t> sizes = {0, 1, (64 << 10) + 3, kChunk, kChunk + 5, 2 * kChunk + 7};
+    std::vector<std::vector<uint8_t>> sources, dests;
+    std::vector<tc::CopyJob> jobs;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        sources.push_back(random_bytes(sizes[i], unsigned(40 + i)));
+        dests.emplace_back(sizes[i] + 1, uint8_t(0xAB));
+    }
+    for (size_t i = 0; i < sizes.size(); ++i)
+        jobs.push_back({dests[i].data(), sources[i].data(), sizes[i]});
+    for (unsigned threads : {1u, 3u}) {
+        const auto digests = tc::parallel_copy_hash_many(jobs, threads);
+        for (size_t i = 0; i < sizes.size(); ++i) {
+            CHECK(std::memcmp(dests[i].data(), sources[i].data(), sizes[i]) == 0);
+            CHECK(dests[i][sizes[i]] == 0xAB);  // nothing past the copy
+            CHECK(digests[i] == tc::tree_hash(sources[i].data(), sizes[i], 1));
+        }
+    }
+}
+
 int main() {
+    test_copy_hash_many_hashes_what_it_copied();
     test_hash_thread_independence_and_boundaries();
     test_hash_known_answers();
     test_hash_bit_flip();

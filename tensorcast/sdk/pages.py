@@ -345,13 +345,11 @@ class Pages:
             data = _buffer(into[i], size) if into is not None else bytearray(size)
             sources.append(arena[off : off + size])
             pages.append(PageData(wanted[i][0], info["dtype"], info["shape"], data, info["hash"]))
-        native.copy_many([p.data for p in pages if p is not None], sources)
-        present = [i for i, p in enumerate(pages) if p is not None]
-        hashes = native.hash_buffers([pages[i].data for i in present]) if present else []  # type: ignore[union-attr]
-        for i, h in zip(present, hashes):
-            if h != pages[i].hash:  # type: ignore[union-attr]
-                pages[i] = None  # evicted and reused while we copied: absent, never wrong
-        return pages
+        present = [p for p in pages if p is not None]
+        hashes = native.copy_hash_many([p.data for p in present], sources)
+        # A page evicted and its region reused while we copied reads as absent, never wrong.
+        damaged = {id(p) for p, h in zip(present, hashes) if h != p.hash}
+        return [None if p is None or id(p) in damaged else p for p in pages]
 
     def exists_pages(self, keys: Sequence[str]) -> list[bool]:
         out = [False] * len(keys)

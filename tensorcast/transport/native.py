@@ -56,6 +56,12 @@ def copy_many(dests: Sequence[Any], sources: Sequence[Any], threads: int = 0) ->
     _native.copy_many(list(dests), list(sources), threads)
 
 
+def copy_hash_many(dests: Sequence[Any], sources: Sequence[Any], threads: int = 0) -> list[str]:
+    """copy_many that returns the tree hash of each copy (hashed right after copying, while the
+    bytes are in cache): what a reader checking its copies needs, for little more than the copy."""
+    return [bytes(h).hex() for h in _native.copy_hash_many(list(dests), list(sources), threads)]
+
+
 def data_server(host: str, base: Any, token: str, port: int = 0) -> Any:
     """The worker's native data server over `base` (its pool mapping); serves ticketed ranges."""
     return _native.DataServer(host, port, base, token)

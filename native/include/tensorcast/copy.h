@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "tensorcast/hash.h"
+
 namespace tc {
 
 // Below this size a single memcpy wins over thread start-up.
@@ -25,5 +27,10 @@ constexpr size_t kParallelCopyManyMinBytes = 2ull << 20;
 // Many independent copies (e.g. a batch of KV pages), spread over threads by dynamic claiming.
 // No dest may overlap any source or other dest.
 void parallel_copy_many(const std::vector<CopyJob>& jobs, unsigned threads);
+
+// parallel_copy_many that also returns each copy's tree hash (as tree_hash of its dest), computed
+// piece by piece right after copying while the bytes are still in cache: a reader that must
+// check what it copied pays little more than the copy.
+std::vector<Digest> parallel_copy_hash_many(const std::vector<CopyJob>& jobs, unsigned threads);
 
 }  // namespace tc
