@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -152,6 +153,17 @@ Clock::time_point effective_deadline(const IoLimits& limits, Clock::time_point l
 
 Io from_wait(Wait wait) { return wait == Wait::kWoken ? Io::kWoken : Io::kTimeout; }
 
+// True once fd is readable (or in error: the next recv reports it) within spin_us.
+bool spin_until_readable(int fd, int spin_us) {
+    const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+    pollfd p{fd, POLLIN, 0};
+    do {
+        if (::poll(&p, 1, 0) != 0) return true;
+        sched_yield();  // let the thread we wait for run if it shares our CPU
+    } while (Clock::now() < until);
+    return false;
+}
+
 }  // namespace
 
 Io send_all(int fd, iovec* iov, int iov_count, const IoLimits& limits, int* error) {
@@ -206,6 +218,7 @@ Io recv_step(int fd, uint8_t* dest, uint64_t size_bytes, const IoLimits& limits,
         if (n == 0) return Io::kClosed;
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            if (limits.spin_us > 0 && spin_until_readable(fd, limits.spin_us)) continue;
             const Wait wait =
                 wait_for(fd, POLLIN, limits.wake_fd, effective_deadline(limits, *last_progress));
             if (wait != Wait::kReady) return from_wait(wait);

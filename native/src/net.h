@@ -71,11 +71,18 @@ Wait wait_for(int fd, short events, int wake_fd, Clock::time_point deadline);
 enum class Io { kOk, kWoken, kTimeout, kClosed, kError };
 const char* io_name(Io io);
 
+// How long the data plane's receivers watch a socket before sleeping (see IoLimits::spin_us).
+constexpr int kRecvSpinUs = 50;
+
 struct IoLimits {
     int wake_fd = -1;
     Clock::time_point deadline = Clock::time_point::max();
     int stall_ms = 0;  // > 0: also fail if no byte moves for this long
     uint64_t max_piece_bytes = 0;  // > 0: recv at most this much per call
+    // > 0: when nothing is there to read, watch the socket this long (yielding the CPU) before
+    // sleeping in poll(). Waking a sleeping thread costs tens of microseconds; callers that
+    // expect bytes soon (a reply, the rest of a stream) trade a little CPU for that latency.
+    int spin_us = 0;
 };
 
 // Sends every byte of iov (modified in place). *error gets errno on kError.

@@ -1,7 +1,6 @@
 #include "tensorcast/page_server.h"
 
 #include <poll.h>
-#include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -25,17 +24,9 @@ enum Op : uint8_t { kHello = 1, kAlloc = 2, kCommit = 3, kGet = 4, kExists = 5 }
 constexpr size_t kHeaderBytes = 8;
 constexpr int kBodyStallMs = 10000;  // a request's body must keep arriving
 constexpr uint32_t kMaxErrorBytes = 4096;
-// Engines send page requests back to back, and a thread asleep in poll() takes tens of
-// microseconds to wake: after each reply, watch for the next request this long before sleeping.
-// (Costs at most this much CPU per burst of requests; halves a single page's round trip here.)
-constexpr auto kSpin = std::chrono::microseconds(200);
-
-void spin_until_readable(int fd) {
-    const auto until = Clock::now() + kSpin;
-    pollfd p{fd, POLLIN, 0};
-    // Yielding keeps a spinning thread from starving the callers it waits for (few cores).
-    while (::poll(&p, 1, 0) == 0 && Clock::now() < until) sched_yield();
-}
+// Engines send page requests back to back: after each reply, watch for the next request this
+// long before sleeping (at most this much CPU per burst; halves a single page's round trip).
+constexpr int kSpinUs = 200;
 
 StatusError malformed(const std::string& what) {
     return StatusError("InvalidArgument", "malformed page request: " + what);
@@ -280,7 +271,7 @@ void PageServer::Impl::serve(Connection& c) {
         uint8_t header[kHeaderBytes];
         net::IoLimits idle;  // between requests a connection may wait as long as it likes
         idle.wake_fd = wake.get();
-        spin_until_readable(fd);
+        idle.spin_us = kSpinUs;
         if (net::recv_all(fd, header, kHeaderBytes, idle, nullptr) != net::Io::kOk) return;
         uint32_t size;
         std::memcpy(&size, header + 4, 4);

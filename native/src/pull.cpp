@@ -158,6 +158,7 @@ private:
         net::IoLimits l;
         l.wake_fd = wake_.get();
         l.deadline = deadline_;
+        l.spin_us = net::kRecvSpinUs;
         return l;
     }
     [[noreturn]] void throw_io(net::Io io, int error, const char* what);
