@@ -13,8 +13,12 @@ shard-home workers, `tc up` style processes) in two modes:
   tensorcast-grpc  the caller pretends to be on another host: pages travel through gRPC (the
                    path a remote engine without a worker uses), on loopback like the baselines
 
-It also counts the requests the Global Store served during each TensorCast grid (its /metrics),
-other than the workers' own heartbeats and lease bids, per 100k page operations.
+All systems run at once and the cells interleave them: each (page size, batch) cell is measured
+by every system before the next cell starts, in an order rotated per cell, so a noisy stretch of
+the host lands on all of them. The three TensorCast modes share one cluster (3 GiB pools;
+pages live 60 s, so they never fill them). It also counts the requests the Global Store served
+while the grid ran (its /metrics), other than the workers' own heartbeats and lease bids, per
+100k page operations of all modes together.
 
 Goals (issue 5): GS requests independent of the number of pages (<= the number of shards);
 >= 2x Redis and >= 1.5x Mooncake Store throughput at >= 256 KiB; p99 of a 64 KiB get <= 2 ms.
@@ -43,54 +47,49 @@ import kv_baselines as kb
 from tensorcast.metrics import rpc_counts
 
 SYSTEMS = ("tensorcast-shm", "tensorcast-shm-into", "tensorcast-grpc", "redis", "mooncake-store")
-WORKER_MEM = "3GiB"  # room for every cell: no eviction inside the measurement
+WORKER_MEM = "3GiB"
+# Pages outlive their cell (put, get, exists: seconds) but not the run, so the three modes'
+# pages never fill the pools (no eviction inside a measurement) and the host keeps its memory.
+PAGE_TTL_S = 60.0
 SKIPPED_METHODS = {"Heartbeat", "AcquireShards"}  # the workers' own traffic
 
 
-class TensorCastPages:
-    def __init__(self, state_dir: Path, mode: str) -> None:
+class TensorCastCluster:
+    """One local cluster (a Global Store and two shard-home workers) shared by every TensorCast
+    mode of the run, and the Global Store request counter read from its /metrics."""
+
+    def __init__(self, state_dir: Path) -> None:
         os.environ.setdefault("TC_HEARTBEAT_INTERVAL_S", "0.5")
         import tensorcast as tc
         from tensorcast.sdk import local_cluster
 
-        self.name = f"tensorcast-{mode}"
-        self.into = mode == "shm-into"
-        self._buffers: dict[tuple[int, int], list[bytearray]] = {}
-        self._sizes: dict[str, int] = {}
-        self._state_dir = state_dir
+        self.state_dir = state_dir
         self._down = local_cluster.down
         self.record = local_cluster.up(state_dir, 2, WORKER_MEM).record
-        self.rt = tc.connect(state_dir=state_dir)
-        deadline = time.monotonic() + 30
-        while not self._settled():
-            if time.monotonic() > deadline:
-                raise kb.Skip("the shard leases did not settle on their homes in 30 s")
-            time.sleep(0.1)
-        if mode == "grpc":
-            self.rt.host_id = "another-host"  # every page operation goes through gRPC
-        self.pages = self.rt.pages()
-        self._connect_every_home()
-        self.page_ops = 0
+        try:
+            with tc.connect(state_dir=state_dir) as rt:
+                deadline = time.monotonic() + 30
+                while not self._settled(rt):
+                    if time.monotonic() > deadline:
+                        raise kb.Skip("the shard leases did not settle on their homes in 30 s")
+                    time.sleep(0.1)
+                self.num_shards = rt.shards().num_shards
+        except BaseException:
+            self.close()
+            raise
+        self.store_before: dict[str, float] = {}
+
+    def start_counting(self) -> None:
+        """Count Global Store requests from now on (after the callers connected)."""
         self.store_before = self.store_calls()
-        self.info = {"workers": 2, "mem": WORKER_MEM, "shards": self.rt.shards().num_shards}
 
-    def _connect_every_home(self) -> None:
-        """One small page per shard, untimed: connects to every home (mapping its pool, which
-        takes a few hundred ms for 3 GiB) before any cell, whatever keys its warm-up drew."""
-        from tensorcast.sharding import shard_of
-
-        shards = self.rt.shards().num_shards
-        first: dict[int, str] = {}
-        for i in range(100 * shards):
-            first.setdefault(shard_of(f"kvb:connect:{i}", shards), f"kvb:connect:{i}")
-        self.pages.put_pages({key: b"\0" * 64 for key in first.values()}, ttl_s=60)
-
-    def _settled(self) -> bool:
+    @staticmethod
+    def _settled(rt: Any) -> bool:
         """Every shard held by the home hashing ranks first: the hand-offs after start-up (the
         first worker takes every shard) are over, so none happens inside the measurement."""
         from tensorcast.sharding import settled
 
-        table = self.rt.shards()
+        table = rt.shards()
         return len(table.live_homes) == 2 and settled(table)
 
     def store_calls(self) -> dict[str, float]:
@@ -106,11 +105,41 @@ class TensorCastPages:
             if m not in SKIPPED_METHODS and after[m] != self.store_before.get(m, 0)
         }
 
+    def close(self) -> None:
+        self._down(self.state_dir)
+
+
+class TensorCastPages:
+    def __init__(self, cluster: TensorCastCluster, mode: str) -> None:
+        import tensorcast as tc
+
+        self.name = f"tensorcast-{mode}"
+        self.into = mode == "shm-into"
+        self._buffers: dict[tuple[int, int], list[bytearray]] = {}
+        self._sizes: dict[str, int] = {}
+        self.rt = tc.connect(state_dir=cluster.state_dir)
+        if mode == "grpc":
+            self.rt.host_id = "another-host"  # every page operation goes through gRPC
+        self.pages = self.rt.pages()
+        self._connect_every_home(cluster.num_shards)
+        self.page_ops = 0
+        self.info = {"workers": 2, "mem": WORKER_MEM, "shards": cluster.num_shards}
+
+    def _connect_every_home(self, shards: int) -> None:
+        """One small page per shard, untimed: connects to every home (mapping its pool, which
+        takes a few hundred ms for 3 GiB) before any cell, whatever keys its warm-up drew."""
+        from tensorcast.sharding import shard_of
+
+        first: dict[int, str] = {}
+        for i in range(100 * shards):
+            first.setdefault(shard_of(f"kvb:connect:{i}", shards), f"kvb:connect:{i}")
+        self.pages.put_pages({key: b"\0" * 64 for key in first.values()}, ttl_s=60)
+
     def put_batch(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
         self.page_ops += len(keys)
         if self.into:  # the size of the engine's blocks, known to it in advance
             self._sizes.update((k, len(v)) for k, v in zip(keys, values))
-        self.pages.put_pages(dict(zip(keys, values)), ttl_s=3600)
+        self.pages.put_pages(dict(zip(keys, values)), ttl_s=PAGE_TTL_S)
 
     def prepare(self, page_bytes: int, batch: int) -> None:
         """The engine's KV blocks for `get_pages(into=...)`: allocated and touched once per
@@ -141,7 +170,6 @@ class TensorCastPages:
 
     def close(self) -> None:
         self.rt.close()
-        self._down(self._state_dir)
 
 
 def _ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -189,33 +217,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batches": args.batches,
         "systems": {},
     }
-    for name in systems:
-        t0 = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix="tc-kv-bench-"))
-        try:
-            if name.startswith("tensorcast"):
-                system: Any = TensorCastPages(tmp / "state", name.removeprefix("tensorcast-"))
-            else:
-                system = kb.make_baseline(name, args.sizes, args.batches, total, args.max_ops)
-        except kb.Skip as e:
-            report["systems"][name] = {"skipped": e.reason}
-            shutil.rmtree(tmp, ignore_errors=True)
-            continue
-        try:
-            cells = kb.run_grid(system, args.sizes, args.batches, total, args.max_ops)
-            entry: dict[str, Any] = {"info": dict(system.info), "cells": cells}
-            if isinstance(system, TensorCastPages):
-                gs = system.gs_requests()
-                entry["info"]["gs_requests"] = gs
-                entry["info"]["page_ops"] = system.page_ops
-                entry["info"]["gs_requests_per_100k_page_ops"] = round(
-                    sum(gs.values()) * 1e5 / max(1, system.page_ops), 3
-                )
-        finally:
+    tmp = Path(tempfile.mkdtemp(prefix="tc-kv-bench-"))
+    cluster: TensorCastCluster | None = None
+    running: dict[str, Any] = {}
+    try:
+        for name in systems:  # everything up first: the cells interleave the systems
+            try:
+                if name.startswith("tensorcast"):
+                    if cluster is None:
+                        cluster = TensorCastCluster(tmp / "state")
+                    running[name] = TensorCastPages(cluster, name.removeprefix("tensorcast-"))
+                else:
+                    running[name] = kb.make_baseline(
+                        name, args.sizes, args.batches, total, args.max_ops
+                    )
+            except kb.Skip as e:
+                report["systems"][name] = {"skipped": e.reason}
+        if cluster is not None:
+            cluster.start_counting()
+        cells = kb.run_interleaved(running, args.sizes, args.batches, total, args.max_ops)
+        for name, system in running.items():
+            report["systems"][name] = {"info": dict(system.info), "cells": cells[name]}
+        if cluster is not None:
+            ops = sum(s.page_ops for s in running.values() if isinstance(s, TensorCastPages))
+            gs = cluster.gs_requests()
+            report["tensorcast_gs"] = {
+                "gs_requests": gs,
+                "page_ops": ops,
+                "gs_requests_per_100k_page_ops": round(sum(gs.values()) * 1e5 / max(1, ops), 3),
+            }
+    finally:
+        for system in running.values():
             system.close()
-            shutil.rmtree(tmp, ignore_errors=True)
-        entry["wall_s"] = round(time.monotonic() - t0, 2)
-        report["systems"][name] = entry
+        if cluster is not None:
+            cluster.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     report["ratios"] = _ratios(report)
     report["meta"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
     report["total_s"] = round(time.monotonic() - started, 1)
@@ -228,13 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['tensorcast']:<16} {r['baseline']:<15} {kb.fmt_size(r['page_bytes']):>7} "
             f"{r['batch']:>5} {r['put']:>6} {r['get']:>6}"
         )
-    for name in ("tensorcast-shm", "tensorcast-shm-into", "tensorcast-grpc"):
-        info = report["systems"].get(name, {}).get("info")
-        if info:
-            print(
-                f"{name}: Global Store requests {info['gs_requests']} for {info['page_ops']} "
-                f"page operations ({info['gs_requests_per_100k_page_ops']} per 100k)"
-            )
+    gs = report.get("tensorcast_gs")
+    if gs:
+        print(
+            f"TensorCast (all modes): Global Store requests {gs['gs_requests']} for "
+            f"{gs['page_ops']} page operations ({gs['gs_requests_per_100k_page_ops']} per 100k)"
+        )
     print(f"\n(total {report['total_s']}s)")
     return 0
 
