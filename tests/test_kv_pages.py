@@ -392,3 +392,24 @@ def test_native_page_socket_survives_malformed_frames(cluster):
         got_pages = pages.get_pages(list(keep))
         assert torch.equal(got_pages[0].tensor(), keep["kv/native/keep"])
         assert pool_used(rt) == used
+
+
+def test_a_broken_page_connection_is_replaced(cluster):
+    """A same-host page connection that fails (its socket gone) is dropped and reopened: the
+    operation is retried on a fresh one, and the regions the old one held are given back."""
+    with cluster.connect() as rt:
+        pages = rt.pages()
+        key = "kv/broken/1"
+        pages.put_pages({key: torch.ones(4096)}, ttl_s=60)
+        lease = pages.table().lease(shard_of(key, pages.table().num_shards))
+        old = pages._local(lease)
+        assert old.spare_pages  # the commit reserved regions for the next put
+        used = pool_used(rt)
+        old.sock.close()
+        pages.put_pages({key: torch.full((4096,), 2.0)}, ttl_s=60)
+        new = pages._local(lease)
+        assert new is not old and old.broken and not new.broken
+        assert torch.equal(pages.get_pages([key])[0].tensor(), torch.full((4096,), 2.0))
+        # The old connection's spare regions went back when the worker saw it close; the new
+        # one holds as many as the old did.
+        assert wait_until(lambda: pool_used(rt) == used, 5)

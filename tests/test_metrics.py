@@ -38,12 +38,17 @@ def test_metrics_follow_the_cluster(fresh_cluster):
         rt.put({"w": torch.ones(1024 * 1024)}, "m1")
         rt.register({"k": torch.ones(8)}, "m2", ttl_s=60)
         rt.artifact("m1").tensor_dict()
-    status, text = _get(worker.metrics_addr, "/metrics")
+        rt.pages().put_pages({"kv/m/1": torch.ones(1024), "kv/m/2": torch.ones(1024)})
+        assert rt.pages().get_pages(["kv/m/1", "kv/nope"])[1] is None
+        status, text = _get(worker.metrics_addr, "/metrics")
     assert status == 200
     w = _parse(text)
     assert w['tc_pool_bytes{kind="capacity",tier="cpu"}'] == 64 * 1024 * 1024
     assert w['tc_pool_bytes{kind="used",tier="cpu"}'] >= 4 * 1024 * 1024
     assert w['tc_replicas{tier="cpu"}'] == 2
+    assert w['tc_kv_pages{kind="home"}'] == 2 and w["tc_kv_page_bytes"] == 2 * 4096
+    assert w["tc_kv_page_requests_total"] >= 3  # hello, alloc + commit, get
+    assert w["tc_kv_page_errors_total"] == 0 and w["tc_kv_page_connections"] == 1
     heartbeats = 'tc_rpc_duration_seconds_count{method="Heartbeat"}'
     s = wait_until(
         lambda: (m := _parse(_get(store.metrics_addr, "/metrics")[1])).get(heartbeats) and m, 5

@@ -89,6 +89,7 @@ class PageConnection:
         # connection's on the worker's side too and are freed when it closes.
         self.spare_pages: dict[int, list[int]] = {}
         self.spare_lock = threading.Lock()
+        self.broken = False  # the connection failed: callers open a new one
         try:
             self.arena_bytes = _U64.unpack(self._call(HELLO, _str(token)))[0]
         except BaseException:
@@ -107,6 +108,7 @@ class PageConnection:
                     raise ConnectionResetError("malformed reply from the page server")
                 reply = self._recv(size)
             except OSError as e:
+                self.broken = True
                 raise errors.Unavailable(f"local worker page connection failed: {e}") from None
         if status != 0:
             r = _Reader(reply)

@@ -177,6 +177,10 @@ class Pages:
         connection)."""
         with self._lock:
             conn = self._conns.get(worker_id)
+            if conn is not None and conn.broken:  # e.g. the worker restarted its page server
+                del self._conns[worker_id]
+                conn.close()
+                conn = None
         if conn is None:
             local = self.rt.local_connection_to(worker_id, local_socket)
             conn = PageConnection(local_socket, local.arena, self.rt.token, self.rt.timeout_s)

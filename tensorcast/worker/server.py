@@ -52,12 +52,19 @@ METRIC_HELP = {
     "tc_transfers_active": "outgoing transfers (open tickets)",
     "tc_file_read_bytes_total": "bytes read from files registered by reference (the cold path)",
     "tc_heartbeat_age_seconds": "time since the last heartbeat the Global Store acknowledged",
+    "tc_kv_pages": "KV pages held, homed here or cached copies",
+    "tc_kv_page_bytes": "bytes of the KV pages held",
+    "tc_kv_page_requests_total": "same-host page requests the native page server answered",
+    "tc_kv_page_errors_total": "page requests answered with an error",
+    "tc_kv_page_connections": "open same-host page connections",
 }
 
 
-def _samples(node: WorkerNode, transfers: Transfers) -> list[Sample]:
+def _samples(node: WorkerNode, transfers: Transfers, page_server: object) -> list[Sample]:
     stats = node.pool.stats()
     disk = node.disk.content_ids() if node.disk else []
+    pages = node.pages.stats()
+    served = page_server.stats()  # type: ignore[attr-defined]
     return [
         ("tc_pool_bytes", {"tier": "cpu", "kind": "capacity"}, stats.capacity_bytes),
         ("tc_pool_bytes", {"tier": "cpu", "kind": "used"}, stats.used_bytes),
@@ -75,6 +82,12 @@ def _samples(node: WorkerNode, transfers: Transfers) -> list[Sample]:
         ("tc_transfers_active", {}, transfers.active()),
         ("tc_file_read_bytes_total", {}, node.references.bytes_read_total),
         ("tc_heartbeat_age_seconds", {}, time.monotonic() - node.last_heartbeat_ok),
+        ("tc_kv_pages", {"kind": "home"}, pages["home_pages"]),
+        ("tc_kv_pages", {"kind": "cached"}, pages["pages"] - pages["home_pages"]),
+        ("tc_kv_page_bytes", {}, pages["bytes"]),
+        ("tc_kv_page_requests_total", {}, served["requests"]),
+        ("tc_kv_page_errors_total", {}, served["errors_sent"]),
+        ("tc_kv_page_connections", {}, served["active_connections"]),
     ]
 
 
@@ -131,7 +144,7 @@ def serve(
     )
     metrics = MetricsServer(
         metrics_listen,
-        lambda: _samples(node, transfers),
+        lambda: _samples(node, transfers, page_server),
         METRIC_HELP,
         lambda: _health(node, heartbeat_interval_s),
     )
