@@ -413,3 +413,55 @@ def test_a_broken_page_connection_is_replaced(cluster):
         # The old connection's spare regions went back when the worker saw it close; the new
         # one holds as many as the old did.
         assert wait_until(lambda: pool_used(rt) == used, 5)
+
+
+def test_reads_racing_eviction_get_the_page_or_nothing(fresh_cluster):
+    """A 64 MiB pool, a writer putting 1 MiB pages as fast as it can (so the least recently
+    used pages are evicted and their regions reused all the time) and a reader, in another
+    connection, getting pages that may be evicted under it: every page it gets has exactly
+    the bytes put under its key; the others read as absent."""
+    import threading
+
+    def value(i: int) -> torch.Tensor:
+        return torch.full((256 * 1024,), float(i))
+
+    stop = threading.Event()
+    written = [0]
+    errors_seen: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with fresh_cluster.connect() as rt:
+                pages = rt.pages()
+                i = 0
+                while not stop.is_set():
+                    pages.put_pages({f"kv/race/{i}": value(i)}, ttl_s=60)
+                    written[0] = i
+                    i += 1
+        except BaseException as e:  # surfaced by the assertion below
+            errors_seen.append(e)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    found = absent = 0
+    try:
+        with fresh_cluster.connect() as rt:
+            pages = rt.pages()
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline and not errors_seen:
+                newest = written[0]
+                # The oldest live pages are the next to be evicted: read where the race is.
+                keys = [f"kv/race/{max(0, newest - k)}" for k in range(40, 70, 3)]
+                for key, page in zip(keys, pages.get_pages(keys)):
+                    if page is None:
+                        absent += 1
+                        continue
+                    found += 1
+                    i = int(key.rsplit("/", 1)[1])
+                    assert torch.equal(page.tensor(), value(i)), key
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors_seen, errors_seen
+    assert written[0] > 100  # the pool turned over several times
+    assert found > 0 and absent > 0  # both outcomes happened: the race was real

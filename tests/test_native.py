@@ -188,3 +188,44 @@ def test_page_server_answers_random_frames_and_loses_nothing(bodies, version, op
         server.stop()
         store.close()
         pool.close()
+
+
+def test_a_page_overwritten_while_read_reads_as_absent():
+    """The region of a page evicted and reused between the worker's answer and the caller's
+    copy: the copy's hash does not match, so the page reads as absent, never as other bytes."""
+    from tensorcast.sdk.page_client import PageConnection
+    from tensorcast.sdk.pages import Pages
+
+    name = f"overwrite-{os.getpid()}"
+    pool, store, server = _page_server(name)
+    try:
+        conn = PageConnection(name, lambda: pool.view, "tok", 5)
+        (offset,) = conn.alloc([4096])
+        pool.view[offset : offset + 4096] = b"\x05" * 4096
+        page = {
+            "key": "p",
+            "shard": 0,
+            "token": 1,
+            "dtype": "U8",
+            "shape": [4096],
+            "offset": offset,
+            "size_bytes": 4096,
+            "hash": native.hash_buffer(b"\x05" * 4096),
+        }
+        conn.commit(60, [page], [])
+        (got,) = Pages._get_local(conn, [("p", 0, 1)])
+        assert got is not None and bytes(got.data) == b"\x05" * 4096
+        looked_up = conn.get
+
+        def get_then_reuse(wanted):
+            found = looked_up(wanted)
+            pool.view[offset : offset + 4096] = b"\x06" * 4096  # evicted, region reused
+            return found
+
+        conn.get = get_then_reuse
+        assert Pages._get_local(conn, [("p", 0, 1)]) == [None]
+        conn.close()
+    finally:
+        server.stop()
+        store.close()
+        pool.close()

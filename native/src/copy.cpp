@@ -9,7 +9,48 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace tc {
+namespace {
+
+#if defined(__x86_64__)
+// glibc's memcpy uses `rep movsb` for mid-sized copies (a few KiB up to about a MiB); on some
+// CPUs (AMD EPYC here) that runs at half the speed of a plain vector loop: 256 KiB took 35 us
+// against 16 us. Built for AVX2 alone, picked at run time.
+__attribute__((target("avx2"))) void copy_avx2(uint8_t* dest, const uint8_t* source, size_t n) {
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + i));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + i + 32));
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + i + 64));
+        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + i + 96));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dest + i), a);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dest + i + 32), b);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dest + i + 64), c);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dest + i + 96), d);
+    }
+    std::memcpy(dest + i, source + i, n - i);
+}
+
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+constexpr size_t kVectorCopyMinBytes = 16 << 10;  // below, memcpy is as fast
+
+}  // namespace
+
+void copy_bytes(uint8_t* dest, const uint8_t* source, size_t size_bytes) {
+#if defined(__x86_64__)
+    if (size_bytes >= kVectorCopyMinBytes && kHaveAvx2) {
+        copy_avx2(dest, source, size_bytes);
+        return;
+    }
+#endif
+    std::memcpy(dest, source, size_bytes);
+}
 
 void parallel_copy(uint8_t* dest, const uint8_t* source, size_t size_bytes, unsigned threads) {
     const unsigned workers =
@@ -18,7 +59,7 @@ void parallel_copy(uint8_t* dest, const uint8_t* source, size_t size_bytes, unsi
     detail::run_workers(workers, [&](unsigned index) {
         const size_t begin = std::min(size_bytes, size_t(index) * part_bytes);
         const size_t end = std::min(size_bytes, begin + part_bytes);
-        if (end > begin) std::memcpy(dest + begin, source + begin, end - begin);
+        if (end > begin) copy_bytes(dest + begin, source + begin, end - begin);
     });
 }
 
@@ -36,8 +77,7 @@ void parallel_copy_many(const std::vector<CopyJob>& jobs, unsigned threads) {
     std::atomic<size_t> next{0};
     detail::run_workers(workers, [&](unsigned) {
         for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();) {
-            if (jobs[i].size_bytes > 0)
-                std::memcpy(jobs[i].dest, jobs[i].source, jobs[i].size_bytes);
+            if (jobs[i].size_bytes > 0) copy_bytes(jobs[i].dest, jobs[i].source, jobs[i].size_bytes);
         }
     });
 }
@@ -56,7 +96,7 @@ Digest copy_and_hash(const CopyJob& job) {
         XXH3_128bits_reset(&state);
         for (size_t at = begin; at < end; at += kPieceBytes) {
             const size_t n = std::min(kPieceBytes, end - at);
-            std::memcpy(job.dest + at, job.source + at, n);
+            copy_bytes(job.dest + at, job.source + at, n);
             XXH3_128bits_update(&state, job.dest + at, n);
         }
         XXH128_canonical_t canonical;

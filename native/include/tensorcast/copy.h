@@ -12,6 +12,9 @@ namespace tc {
 // Below this size a single memcpy wins over thread start-up.
 constexpr size_t kParallelCopyMinBytes = 16ull << 20;
 
+// memcpy, but never slower than a plain vector loop (see copy.cpp). No overlap.
+void copy_bytes(uint8_t* dest, const uint8_t* source, size_t size_bytes);
+
 // dest and source must not overlap. threads: 0 = hardware concurrency.
 void parallel_copy(uint8_t* dest, const uint8_t* source, size_t size_bytes, unsigned threads);
 
