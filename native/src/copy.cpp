@@ -6,8 +6,7 @@
 
 #include "parallel.h"
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "xxh.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -97,7 +96,7 @@ Digest copy_and_hash(const CopyJob& job) {
         for (size_t at = begin; at < end; at += kPieceBytes) {
             const size_t n = std::min(kPieceBytes, end - at);
             copy_bytes(job.dest + at, job.source + at, n);
-            XXH3_128bits_update(&state, job.dest + at, n);
+            xxh::update128(&state, job.dest + at, n);
         }
         XXH128_canonical_t canonical;
         XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));

@@ -17,8 +17,7 @@
 #include "tensorcast/frame.h"
 #include "tensorcast/transport.h"
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "xxh.h"
 
 namespace tc {
 namespace {
@@ -381,7 +380,7 @@ void DataServer::Impl::serve(Connection* connection) {
         }
         // Straight from the pool: header and payload leave in one sendmsg.
         const uint8_t* payload = base + h.b;
-        uint64_t checksum = XXH3_64bits(payload, size_t(h.c));
+        uint64_t checksum = xxh::hash64(payload, size_t(h.c));
         if (take_one(corrupt_countdown) != 0) checksum ^= 1;
         uint8_t header[frame::kHeaderBytes];
         frame::encode_header(frame::data(h.request_id, h.b, h.c, checksum), header);

@@ -6,8 +6,7 @@
 
 #include "parallel.h"
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "xxh.h"
 
 namespace tc {
 namespace {
@@ -55,7 +54,7 @@ std::vector<Digest> tree_hash_many(
         for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks.size();) {
             const ChunkTask& task = tasks[i];
             XXH128_canonical_t canonical;
-            XXH128_canonicalFromHash(&canonical, XXH3_128bits(task.data, task.size_bytes));
+            XXH128_canonicalFromHash(&canonical, xxh::hash128(task.data, task.size_bytes));
             std::memcpy(task.digest_out, canonical.digest, 16);
         }
     });

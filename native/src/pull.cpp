@@ -16,8 +16,7 @@
 #include "tensorcast/frame.h"
 #include "tensorcast/transport.h"
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "xxh.h"
 
 namespace tc {
 namespace {
@@ -401,7 +400,7 @@ void Pull::receive_frame(int fd, std::vector<InFlight>& in_flight, uint64_t conn
     l.max_piece_bytes = kRecvPieceBytes;
     io = net::recv_all(fd, dest_ + (c.offset - source_offset_), c.length_bytes, l, &error,
                        [hash](const uint8_t* piece, uint64_t size_bytes) {
-                           XXH3_64bits_update(hash, piece, size_t(size_bytes));
+                           xxh::update64(hash, piece, size_t(size_bytes));
                        });
     if (io != net::Io::kOk) throw_io(io, error, "receive DATA");
     in_flight.erase(it);
