@@ -9,6 +9,7 @@ worker's shared memory: no second full-size copy. Tied weights are re-tied after
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.errors import InvalidArgument
@@ -45,9 +46,14 @@ def load_model(
     config_dict = json.loads(files["config.json"])
     config = transformers.AutoConfig.for_model(**config_dict)
     cls = model_class or transformers.AutoModelForCausalLM
-    with no_init_weights():
-        model = cls.from_config(config, torch_dtype=getattr(config, "torch_dtype", None))
-    state = art.tensor_dict() if tp_size == 1 else _reassembled(art, tp_size)
+    # The weights are fetched (on a cold worker: read from disk) while the skeleton is built.
+    with ThreadPoolExecutor(1, thread_name_prefix="tc-load") as fetcher:
+        fetching = fetcher.submit(
+            art.tensor_dict if tp_size == 1 else lambda: _reassembled(art, tp_size)
+        )
+        with no_init_weights():
+            model = cls.from_config(config, torch_dtype=getattr(config, "torch_dtype", None))
+        state = fetching.result()
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     tied = {k for k in missing if _is_tied(model, k)}
