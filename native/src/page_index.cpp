@@ -162,8 +162,10 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s, bool 
             page.expires_at = now + ttl_s;
             page.home = home;
             lru_.push_back(w.key);
-            pages_.emplace(w.key, Entry{std::move(page), std::prev(lru_.end())});
+            const auto expiry = expiry_.emplace(page.expires_at, w.key);
+            pages_.emplace(w.key, Entry{std::move(page), std::prev(lru_.end()), expiry});
             bytes_ += w.size_bytes;
+            home_count_ += home;
         }
     }
     free(unused);
@@ -264,13 +266,9 @@ size_t PageIndex::expire() {
     const double now = monotonic_s();
     std::lock_guard<std::mutex> lock(mutex_);
     size_t expired = 0;
-    for (auto it = pages_.begin(); it != pages_.end();) {
-        auto next = std::next(it);
-        if (it->second.page.expires_at <= now) {
-            remove_locked(it);
-            ++expired;
-        }
-        it = next;
+    while (!expiry_.empty() && expiry_.begin()->first <= now) {
+        remove_locked(pages_.find(expiry_.begin()->second));
+        ++expired;
     }
     return expired;
 }
@@ -280,14 +278,16 @@ PageIndexStats PageIndex::stats() {
     PageIndexStats s;
     s.pages = pages_.size();
     s.bytes = bytes_;
-    for (const auto& [key, entry] : pages_) s.home_pages += entry.page.home;
+    s.home_pages = home_count_;
     return s;
 }
 
 void PageIndex::remove_locked(std::unordered_map<std::string, Entry>::iterator it) {
     bytes_ -= it->second.page.size_bytes;
+    home_count_ -= it->second.page.home;
     arena_->free(it->second.page.offset);
     lru_.erase(it->second.lru);
+    expiry_.erase(it->second.expiry);
     pages_.erase(it);
 }
 

@@ -132,9 +132,13 @@ void test_replacing_if_absent_lru_eviction_and_expiry() {
     CHECK(error_kind([&] { f.index.allocate({65 * 4096}, true); }) == "ResourceExhausted");
 
     f.index.commit({f.write("short", 4096, 4)}, 1e-3, true, false);
-    usleep(2000);
+    f.index.commit({f.write("copy", 4096, 5)}, 2e-3, false, false);  // a cached copy
+    CHECK(f.index.stats().home_pages == 5 && f.index.stats().pages == 6);
+    usleep(3000);
     CHECK(!f.index.lookup({{"short", 0, 0}})[0]);
-    CHECK(f.index.expire() == 1);
+    CHECK(f.index.expire() == 2);  // both, and nothing that is still live
+    CHECK(f.index.stats().home_pages == 4 && f.index.stats().pages == 4);
+    CHECK(f.index.expire() == 0);
     CHECK(f.index.drop_shards({0}, std::nullopt) == 4);  // k, big1, big2, big3
     CHECK(f.index.stats().pages == 0 && f.arena->used_bytes() == 0);
 }

@@ -102,6 +102,7 @@ private:
     struct Entry {
         Page page;
         std::list<std::string>::iterator lru;
+        std::multimap<double, std::string>::iterator expiry;
     };
     void check_write(const PageWrite& w) const;
     uint64_t allocate_one(uint64_t size, bool evict);
@@ -114,7 +115,11 @@ private:
     std::mutex mutex_;
     std::unordered_map<std::string, Entry> pages_;
     std::list<std::string> lru_;  // front: least recently used
+    // Soonest expiry first: expire() (every heartbeat) touches only what expired, never the
+    // whole index under the lock page operations wait on.
+    std::multimap<double, std::string> expiry_;
     uint64_t bytes_ = 0;
+    uint64_t home_count_ = 0;
     std::mutex lease_mutex_;
     std::map<uint32_t, std::pair<uint64_t, double>> held_;  // shard -> (token, local deadline)
     LeaseFallback fallback_;
