@@ -465,3 +465,33 @@ def test_reads_racing_eviction_get_the_page_or_nothing(fresh_cluster):
     assert not errors_seen, errors_seen
     assert written[0] > 100  # the pool turned over several times
     assert found > 0 and absent > 0  # both outcomes happened: the race was real
+
+
+def test_more_keys_than_one_request_takes_are_split(cluster):
+    """10,000 pages over two homes: each home gets more than one native request may carry."""
+    with cluster.connect() as rt:
+        pages = rt.pages()
+        many = {f"kv/many/{i}": bytearray(i.to_bytes(4, "little")) for i in range(10_000)}
+        pages.put_pages(many, ttl_s=60)
+        assert pages.exists_pages(list(many)) == [True] * len(many)
+        got = pages.get_pages(list(many))
+        assert [bytes(g.data) for g in got] == [bytes(v) for v in many.values()]
+
+
+def test_large_batches_are_split_and_one_connection_cannot_hold_the_pool(fresh_cluster):
+    """A 64 MiB pool: a put of 40 MiB in one call goes in batches (a connection may hold at
+    most half the pool uncommitted), and a raw request for more than half the pool is refused
+    without touching anything."""
+    with fresh_cluster.connect() as rt:
+        pages = rt.pages()
+        big = {f"kv/split/{i}": torch.full((256 * 1024,), float(i)) for i in range(40)}
+        pages.put_pages(big, ttl_s=60)
+        got = pages.get_pages(list(big))
+        assert all(torch.equal(g.tensor(), v) for g, v in zip(got, big.values()))
+        lease = pages.table().lease(0)
+        conn = pages._local(lease)
+        used = pool_used(rt)
+        with pytest.raises(tc.ResourceExhausted, match="half the pool"):
+            conn.alloc([16 << 20, 16 << 20, 1 << 20])
+        assert pool_used(rt) == used
+        assert pages.exists_pages(list(big)) == [True] * len(big)  # nothing was evicted

@@ -368,6 +368,7 @@ NB_MODULE(_native, m) {
         "copy_many, returning the tree hash of each copy (computed while it is in cache).");
 
     m.attr("DATA_PLANE_DEFAULT_STREAMS") = tc::kDefaultPullStreams;
+    m.attr("MAX_PAGE_BATCH") = tc::kMaxPageBatch;
     m.attr("DATA_PLANE_DEFAULT_CHUNK_BYTES") = tc::kDefaultPullChunkBytes;
 
     nb::class_<CancelToken>(m, "CancelToken",

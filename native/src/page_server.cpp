@@ -332,6 +332,22 @@ void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8
             std::vector<uint64_t> sizes(in.count(kMaxPageBatch, 8));
             for (auto& n : sizes) n = in.number<uint64_t>();
             in.end();
+            // Bounded per connection: one caller cannot hold most of the pool uncommitted
+            // (allocating evicts other callers' pages to make room).
+            uint64_t held = 0, wanted = 0;
+            for (const auto& [offset, size] : c.regions) held += size;
+            for (uint64_t n : sizes) wanted += std::min(n, kMaxPageBytes + 1);
+            if (c.regions.size() + sizes.size() > 2 * kMaxPageBatch ||
+                held + wanted > arena_bytes / 2)
+                throw StatusError("ResourceExhausted",
+                                  "this connection would hold " +
+                                      std::to_string(c.regions.size() + sizes.size()) +
+                                      " uncommitted page regions of " +
+                                      std::to_string(held + wanted) +
+                                      " bytes; the limit is " +
+                                      std::to_string(2 * kMaxPageBatch) + " regions, " +
+                                      std::to_string(arena_bytes / 2) +
+                                      " bytes (half the pool): commit pages first");
             const auto offsets = index->allocate(sizes, true);
             out.number(uint32_t(offsets.size()));
             for (size_t i = 0; i < offsets.size(); ++i) {
@@ -407,7 +423,7 @@ void PageServer::Impl::commit(Connection& c, Reader& in, Writer& out) {
     for (const auto& [offset, size] : c.regions) spare += size;
     for (uint64_t n : ahead) wanted += std::min(n, kMaxSpareBytes + 1);
     std::vector<uint64_t> offsets;
-    if (!ahead.empty() && spare + wanted <= kMaxSpareBytes) {
+    if (!ahead.empty() && spare + wanted <= std::min(kMaxSpareBytes, arena_bytes / 4)) {
         try {
             offsets = index->allocate(ahead, false);
         } catch (const StatusError&) {

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Runtime
 
 MAX_REQUEST_BYTES = 48 * 1024 * 1024  # below the 64 MiB gRPC message limit
-MAX_SPARE_BYTES = 64 * 1024 * 1024  # page regions reserved ahead per home connection
+MAX_SPARE_BYTES = 64 * 1024 * 1024  # regions reserved ahead per home connection (and <= 1/4 pool)
 # (the worker enforces the same bound: kMaxSpareBytes in native/include/tensorcast/page_server.h)
 PageValue = Any  # a CPU torch.Tensor or a bytes-like object
 
@@ -145,11 +145,13 @@ class Pages:
                 leases[lease.holder_worker_id] = lease
             failed: list[int] = []
             for home, indexes in groups.items():
-                try:
-                    fn(leases[home], indexes)
-                except (errors.FencingError, errors.Unavailable) as e:
-                    failed += indexes
-                    error = e
+                for start in range(0, len(indexes), native.MAX_PAGE_BATCH):
+                    chunk = indexes[start : start + native.MAX_PAGE_BATCH]
+                    try:
+                        fn(leases[home], chunk)
+                    except (errors.FencingError, errors.Unavailable) as e:
+                        failed += chunk
+                        error = e
             if not failed:
                 return
             pending = failed
@@ -245,6 +247,19 @@ class Pages:
     def _put_local(
         self, conn: PageConnection, refs: list, views: list[memoryview], ttl_s: float
     ) -> None:
+        """`_put_local_batch` in batches of at most a quarter of the home's pool (a connection
+        may hold half of it uncommitted)."""
+        start, size = 0, 0
+        for end, view in enumerate(views):
+            if size + view.nbytes > conn.arena_bytes // 4 and end > start:
+                self._put_local_batch(conn, refs[start:end], views[start:end], ttl_s)
+                start, size = end, 0
+            size += view.nbytes
+        self._put_local_batch(conn, refs[start:], views[start:], ttl_s)
+
+    def _put_local_batch(
+        self, conn: PageConnection, refs: list, views: list[memoryview], ttl_s: float
+    ) -> None:
         """Write into regions of the home's pool, then commit. Regions come from the ones the
         previous commit reserved for this connection (same sizes: KV pages are uniform), so a
         steady stream of puts costs one round trip each; only the missing ones are allocated."""
@@ -268,7 +283,8 @@ class Pages:
         arena = conn.arena()
         native.copy_many([arena[o : o + n] for n, o in zip(sizes, offsets)], views)
         # Reserve as much again for the next put, within a bound per connection.
-        ahead = sizes if spare_bytes + sum(sizes) <= MAX_SPARE_BYTES else []
+        bound = min(MAX_SPARE_BYTES, conn.arena_bytes // 4)
+        ahead = sizes if spare_bytes + sum(sizes) <= bound else []
         next_offsets = conn.commit(
             ttl_s, [dict(r.to_json(), offset=off) for r, off in zip(refs, offsets)], ahead
         )

@@ -16,6 +16,7 @@ TREE_HASH_CHUNK_BYTES: int = _native.TREE_HASH_CHUNK_BYTES
 ArenaAllocator: Any = _native.ArenaAllocator
 PageIndex: Any = _native.PageIndex
 PageServer: Any = _native.PageServer
+MAX_PAGE_BATCH: int = _native.MAX_PAGE_BATCH  # pages per page-index request
 
 
 def hash_buffer(buf: Any, threads: int = 0) -> str:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from tensorcast.errors import FencingError, IntegrityError, InvalidArgument, TensorcastError
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import shard_table_from_pb
+from tensorcast.transport import native
 from tensorcast.types import ShardLease
 
 if TYPE_CHECKING:
@@ -73,7 +74,6 @@ def _copy_pages(node: WorkerNode, pages: list, home_id: str, home_addr: str, tok
     with the shortest TTL left in it, so no page outlives its original expiry. A failed
     batch loses only its pages (the engine recomputes them). Returns the pages copied."""
     from tensorcast.worker.page_service import MAX_REPLY_BYTES
-    from tensorcast.worker.pages import MAX_BATCH
 
     peer = node.peer(home_id, home_addr)
     batch: list[tuple[pb.Page, float]] = []  # page, monotonic expiry
@@ -101,7 +101,7 @@ def _copy_pages(node: WorkerNode, pages: list, home_id: str, home_addr: str, tok
             data = node.pages.read(page)
         except IntegrityError:
             continue  # evicted meanwhile
-        if batch and (size + len(data) > MAX_REPLY_BYTES or len(batch) >= MAX_BATCH):
+        if batch and (size + len(data) > MAX_REPLY_BYTES or len(batch) >= native.MAX_PAGE_BATCH):
             copied += flush()
             batch, size = [], 0
         batch.append(

@@ -19,8 +19,6 @@ from tensorcast.transport import native
 from tensorcast.types import DTYPE_ITEMSIZE
 from tensorcast.worker.pool import Pool
 
-MAX_BATCH = 4096  # pages per request: kMaxPageBatch in page_index.h
-
 
 @dataclass
 class Page:

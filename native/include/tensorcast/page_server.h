@@ -16,7 +16,8 @@
 //   EXISTS 5: as GET                                     -> u32 n, n x u8
 // An error reply's body is str kind (a tensorcast.errors class name) + u32 length + message.
 // The first message must be HELLO with the cluster token. Regions a connection allocated and
-// has not committed are its own and are freed when it closes.
+// has not committed are its own and are freed when it closes; it may hold at most 8192 of them
+// and half the pool's bytes (ResourceExhausted beyond).
 #pragma once
 
 #include <atomic>
@@ -30,7 +31,8 @@ namespace tc {
 
 constexpr uint8_t kPageProtocolVersion = 1;
 constexpr uint32_t kMaxPageRequestBytes = 16u << 20;
-constexpr uint64_t kMaxSpareBytes = 64ull << 20;  // regions reserved ahead per connection
+// Regions reserved ahead per connection: at most this, and at most a quarter of the pool.
+constexpr uint64_t kMaxSpareBytes = 64ull << 20;
 constexpr uint32_t kMaxPageConnections = 256;
 
 struct PageServerStats {
