@@ -26,7 +26,7 @@ constexpr int kBodyStallMs = 10000;  // a request's body must keep arriving
 constexpr uint32_t kMaxErrorBytes = 4096;
 // Engines send page requests back to back: after each reply, watch for the next request this
 // long before sleeping (at most this much CPU per burst; halves a single page's round trip).
-constexpr int kSpinUs = 200;
+constexpr int kSpinUs = 100;
 
 StatusError malformed(const std::string& what) {
     return StatusError("InvalidArgument", "malformed page request: " + what);
