@@ -126,6 +126,25 @@ def _page_server(tmp_name: str):
     return pool, store, server
 
 
+def _commit_page(conn, pool, key: str, data: bytes) -> dict:
+    """Write `data` into a region allocated on `conn` and commit it as page `key` (shard 0,
+    token 1); returns the page as committed."""
+    (offset,) = conn.alloc([len(data)])
+    pool.view[offset : offset + len(data)] = data
+    page = {
+        "key": key,
+        "shard": 0,
+        "token": 1,
+        "dtype": "U8",
+        "shape": [len(data)],
+        "offset": offset,
+        "size_bytes": len(data),
+        "hash": native.hash_buffer(data),
+    }
+    conn.commit(60, [page], [])
+    return page
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.binary(max_size=64), max_size=4), st.integers(0, 255), st.integers(0, 6))
 def test_page_server_answers_random_frames_and_loses_nothing(bodies, version, op):
@@ -141,19 +160,7 @@ def test_page_server_answers_random_frames_and_loses_nothing(bodies, version, op
     pool, store, server = _page_server(name)
     try:
         conn = PageConnection(name, lambda: pool.view, "tok", 5)
-        (offset,) = conn.alloc([4096])
-        pool.view[offset : offset + 4096] = b"\x07" * 4096
-        page = {
-            "key": "keep",
-            "shard": 0,
-            "token": 1,
-            "dtype": "U8",
-            "shape": [4096],
-            "offset": offset,
-            "size_bytes": 4096,
-            "hash": native.hash_buffer(b"\x07" * 4096),
-        }
-        conn.commit(60, [page], [])
+        page = _commit_page(conn, pool, "keep", b"\x07" * 4096)
         used = pool.arena.used_bytes
         header = struct.Struct("<BBHI")
         hello = b"\x03\x00tok"
@@ -200,19 +207,8 @@ def test_a_page_overwritten_while_read_reads_as_absent():
     pool, store, server = _page_server(name)
     try:
         conn = PageConnection(name, lambda: pool.view, "tok", 5)
-        (offset,) = conn.alloc([4096])
-        pool.view[offset : offset + 4096] = b"\x05" * 4096
-        page = {
-            "key": "p",
-            "shard": 0,
-            "token": 1,
-            "dtype": "U8",
-            "shape": [4096],
-            "offset": offset,
-            "size_bytes": 4096,
-            "hash": native.hash_buffer(b"\x05" * 4096),
-        }
-        conn.commit(60, [page], [])
+        page = _commit_page(conn, pool, "p", b"\x05" * 4096)
+        offset = page["offset"]
         (got,) = Pages._get_local(conn, [("p", 0, 1)])
         assert got is not None and bytes(got.data) == b"\x05" * 4096
         looked_up = conn.get

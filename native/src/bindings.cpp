@@ -58,6 +58,12 @@ nb::bytes to_bytes(const tc::Digest& digest) {
     return nb::bytes(reinterpret_cast<const char*>(digest.data()), digest.size());
 }
 
+nb::list to_list(const std::vector<tc::Digest>& digests) {
+    nb::list result;
+    for (const auto& digest : digests) result.append(to_bytes(digest));
+    return result;
+}
+
 void check_fits(const char* name, uint64_t offset, uint64_t length_bytes, size_t size_bytes) {
     if (offset > size_bytes || length_bytes > size_bytes - offset) {
         throw nb::value_error((std::string(name) + ": offset " + std::to_string(offset) +
@@ -301,9 +307,7 @@ NB_MODULE(_native, m) {
                 nb::gil_scoped_release release;
                 digests = tc::tree_hash_many(buffers, threads);
             }
-            nb::list result;
-            for (const auto& digest : digests) result.append(to_bytes(digest));
-            return result;
+            return to_list(digests);
         },
         nb::arg("bufs"), nb::arg("threads") = 0,
         "hash_buffer for many buffers at once, sharing one pool of threads.");
@@ -360,9 +364,7 @@ NB_MODULE(_native, m) {
                 nb::gil_scoped_release release;
                 digests = tc::parallel_copy_hash_many(jobs, threads);
             }
-            nb::list result;
-            for (const auto& digest : digests) result.append(to_bytes(digest));
-            return result;
+            return to_list(digests);
         },
         nb::arg("dests"), nb::arg("sources"), nb::arg("threads") = 0,
         "copy_many, returning the tree hash of each copy (computed while it is in cache).");

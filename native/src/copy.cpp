@@ -62,26 +62,15 @@ void parallel_copy(uint8_t* dest, const uint8_t* source, size_t size_bytes, unsi
     });
 }
 
-void parallel_copy_many(const std::vector<CopyJob>& jobs, unsigned threads) {
-    if (jobs.size() == 1) {
-        parallel_copy(jobs[0].dest, jobs[0].source, jobs[0].size_bytes, threads);
-        return;
-    }
+namespace {
+
+// Threads for a batch of copies: none extra below kParallelCopyManyMinBytes, one per job at most.
+unsigned copy_many_workers(const std::vector<CopyJob>& jobs, unsigned threads) {
     size_t total = 0;
     for (const CopyJob& j : jobs) total += j.size_bytes;
-    const unsigned workers =
-        total < kParallelCopyManyMinBytes
-            ? 1
-            : unsigned(std::min<size_t>(detail::resolve_threads(threads), jobs.size()));
-    std::atomic<size_t> next{0};
-    detail::run_workers(workers, [&](unsigned) {
-        for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();) {
-            if (jobs[i].size_bytes > 0) copy_bytes(jobs[i].dest, jobs[i].source, jobs[i].size_bytes);
-        }
-    });
+    if (total < kParallelCopyManyMinBytes) return 1;
+    return unsigned(std::min<size_t>(detail::resolve_threads(threads), jobs.size()));
 }
-
-namespace {
 
 // Copy in cache-sized pieces, feeding each piece of the dest to the chunk's streaming hash.
 Digest copy_and_hash(const CopyJob& job) {
@@ -98,30 +87,30 @@ Digest copy_and_hash(const CopyJob& job) {
             copy_bytes(job.dest + at, job.source + at, n);
             xxh::update128(&state, job.dest + at, n);
         }
-        XXH128_canonical_t canonical;
-        XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
-        std::memcpy(record.data() + 16 * c, canonical.digest, 16);
+        xxh::store_canonical(XXH3_128bits_digest(&state), record.data() + 16 * c);
     }
-    for (int i = 0; i < 8; ++i) record[16 * chunks + i] = uint8_t(uint64_t(job.size_bytes) >> (8 * i));
-    XXH128_canonical_t canonical;
-    XXH128_canonicalFromHash(&canonical, XXH3_128bits(record.data(), record.size()));
-    Digest digest;
-    std::memcpy(digest.data(), canonical.digest, 16);
-    return digest;
+    return tree_hash_finish(record.data(), chunks, job.size_bytes);
 }
 
 }  // namespace
 
+void parallel_copy_many(const std::vector<CopyJob>& jobs, unsigned threads) {
+    if (jobs.size() == 1) {
+        parallel_copy(jobs[0].dest, jobs[0].source, jobs[0].size_bytes, threads);
+        return;
+    }
+    std::atomic<size_t> next{0};
+    detail::run_workers(copy_many_workers(jobs, threads), [&](unsigned) {
+        for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();) {
+            if (jobs[i].size_bytes > 0) copy_bytes(jobs[i].dest, jobs[i].source, jobs[i].size_bytes);
+        }
+    });
+}
+
 std::vector<Digest> parallel_copy_hash_many(const std::vector<CopyJob>& jobs, unsigned threads) {
-    size_t total = 0;
-    for (const CopyJob& j : jobs) total += j.size_bytes;
-    const unsigned workers =
-        total < kParallelCopyManyMinBytes
-            ? 1
-            : unsigned(std::min<size_t>(detail::resolve_threads(threads), jobs.size()));
     std::vector<Digest> digests(jobs.size());
     std::atomic<size_t> next{0};
-    detail::run_workers(workers, [&](unsigned) {
+    detail::run_workers(copy_many_workers(jobs, threads), [&](unsigned) {
         for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < jobs.size();)
             digests[i] = copy_and_hash(jobs[i]);
     });

@@ -102,7 +102,6 @@ struct DataServer::Impl {
         errors_sent{0};
 
     void accept_loop();
-    void reap_finished();  // connections_mutex held
     void serve(Connection* connection);
     // Outcome of a ticket check for one READ.
     frame::ErrorCode check_read(uint64_t ticket, uint64_t offset, uint64_t length_bytes,
@@ -215,22 +214,9 @@ void DataServer::stop() {
         if (s.accept_thread.joinable()) s.accept_thread.join();
         // No new connections now; each thread sees the wake fd within one poll.
         std::lock_guard<std::mutex> lock(s.connections_mutex);
-        for (auto& connection : s.connections)
-            if (connection->thread.joinable()) connection->thread.join();
-        s.connections.clear();
+        net::join_all(s.connections);
         s.listener.reset();
     });
-}
-
-void DataServer::Impl::reap_finished() {
-    for (auto it = connections.begin(); it != connections.end();) {
-        if ((*it)->finished) {
-            (*it)->thread.join();
-            it = connections.erase(it);  // closes its fd, after its thread is gone
-        } else {
-            ++it;
-        }
-    }
 }
 
 void DataServer::Impl::accept_loop() {
@@ -241,7 +227,7 @@ void DataServer::Impl::accept_loop() {
         if (wait == net::Wait::kWoken) return;
         {
             std::lock_guard<std::mutex> lock(connections_mutex);
-            reap_finished();
+            net::reap_finished(connections);
         }
         if (wait == net::Wait::kTimeout) continue;
         for (;;) {

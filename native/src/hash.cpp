@@ -41,7 +41,6 @@ std::vector<Digest> tree_hash_many(
         size_t offset = 0;
         for (; offset < size_bytes; offset += kTreeHashChunkBytes, record += 16)
             tasks.push_back({data + offset, std::min(kTreeHashChunkBytes, size_bytes - offset), record});
-        for (int i = 0; i < 8; ++i) record[i] = uint8_t(uint64_t(size_bytes) >> (8 * i));
     }
 
     // One worker per full chunk of input at most: under 2 chunks stays on this thread.
@@ -53,21 +52,24 @@ std::vector<Digest> tree_hash_many(
     detail::run_workers(workers, [&](unsigned) {
         for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks.size();) {
             const ChunkTask& task = tasks[i];
-            XXH128_canonical_t canonical;
-            XXH128_canonicalFromHash(&canonical, xxh::hash128(task.data, task.size_bytes));
-            std::memcpy(task.digest_out, canonical.digest, 16);
+            xxh::store_canonical(xxh::hash128(task.data, task.size_bytes), task.digest_out);
         }
     });
 
     std::vector<Digest> digests(buffers.size());
     for (size_t b = 0; b < buffers.size(); ++b) {
-        XXH128_canonical_t canonical;
-        XXH128_canonicalFromHash(
-            &canonical, XXH3_128bits(records.data() + record_offsets[b],
-                                     record_offsets[b + 1] - record_offsets[b]));
-        std::memcpy(digests[b].data(), canonical.digest, 16);
+        const size_t chunks = (record_offsets[b + 1] - record_offsets[b] - 8) / 16;
+        digests[b] = tree_hash_finish(records.data() + record_offsets[b], chunks, buffers[b].second);
     }
     return digests;
+}
+
+Digest tree_hash_finish(uint8_t* record, size_t chunks, uint64_t size_bytes) {
+    uint8_t* trailer = record + 16 * chunks;
+    for (int i = 0; i < 8; ++i) trailer[i] = uint8_t(size_bytes >> (8 * i));
+    Digest digest;
+    xxh::store_canonical(XXH3_128bits(record, 16 * chunks + 8), digest.data());
+    return digest;
 }
 
 Digest tree_hash(const uint8_t* data, size_t size_bytes, unsigned threads) {

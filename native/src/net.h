@@ -8,6 +8,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -114,6 +116,28 @@ Io recv_all(int fd, uint8_t* dest, uint64_t size_bytes, const IoLimits& limits, 
         done += received;
     }
     return Io::kOk;
+}
+
+// Thread-per-connection servers (data server, page server) keep their connections in a list;
+// each has a `thread` and sets `finished` when it is done. Call with the list's lock held.
+template <typename Connection>
+void reap_finished(std::list<std::unique_ptr<Connection>>& connections) {
+    for (auto it = connections.begin(); it != connections.end();) {
+        if ((*it)->finished) {
+            (*it)->thread.join();
+            it = connections.erase(it);  // closes its fd, after its thread is gone
+        } else {
+            ++it;
+        }
+    }
+}
+
+// Joins every connection's thread (the server's wake fd told them to stop) and drops them.
+template <typename Connection>
+void join_all(std::list<std::unique_ptr<Connection>>& connections) {
+    for (auto& connection : connections)
+        if (connection->thread.joinable()) connection->thread.join();
+    connections.clear();
 }
 
 }  // namespace tc::net

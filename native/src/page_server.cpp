@@ -147,7 +147,6 @@ struct PageServer::Impl {
     std::atomic<uint64_t> requests{0}, errors_sent{0}, active{0}, accepted{0};
 
     void accept_loop();
-    void reap_finished();
     void serve(Connection& c);
     void handle(Connection& c, uint8_t op, const std::vector<uint8_t>& body, Writer& out);
     void commit(Connection& c, Reader& in, Writer& out);
@@ -192,22 +191,9 @@ void PageServer::stop() {
         net::signal_wake(s.wake.get());
         if (s.accept_thread.joinable()) s.accept_thread.join();
         std::lock_guard<std::mutex> lock(s.connections_mutex);
-        for (auto& c : s.connections)
-            if (c->thread.joinable()) c->thread.join();
-        s.connections.clear();
+        net::join_all(s.connections);
         s.listener.reset();
     });
-}
-
-void PageServer::Impl::reap_finished() {
-    for (auto it = connections.begin(); it != connections.end();) {
-        if ((*it)->finished) {
-            (*it)->thread.join();
-            it = connections.erase(it);
-        } else {
-            ++it;
-        }
-    }
 }
 
 void PageServer::Impl::accept_loop() {
@@ -216,7 +202,7 @@ void PageServer::Impl::accept_loop() {
                                              Clock::now() + std::chrono::seconds(1));
         if (wait == net::Wait::kWoken) return;
         std::lock_guard<std::mutex> lock(connections_mutex);
-        reap_finished();
+        net::reap_finished(connections);
         if (wait == net::Wait::kTimeout) continue;
         for (;;) {
             net::Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -18,6 +20,13 @@ XXH_errorcode XXH3_128bits_update_dispatch(XXH3_state_t* state, const void* inpu
 #endif
 
 namespace tc::xxh {
+
+// The canonical (big-endian) 16 bytes of a 128-bit hash, written to `out`.
+inline void store_canonical(XXH128_hash_t hash, uint8_t* out) {
+    XXH128_canonical_t canonical;
+    XXH128_canonicalFromHash(&canonical, hash);
+    std::memcpy(out, canonical.digest, 16);
+}
 
 inline XXH64_hash_t hash64(const void* input, size_t len) {
 #if defined(TC_XXH_DISPATCH)

@@ -12,7 +12,7 @@ from tensorcast.errors import InvalidArgument, TensorcastError
 _native: Any = importlib.import_module("tensorcast._native")
 
 TREE_HASH_CHUNK_BYTES: int = _native.TREE_HASH_CHUNK_BYTES
-# Raise tensorcast.errors classes themselves (see native/include/tensorcast/errors.h).
+# Native classes; their errors are tensorcast.errors classes (native/include/tensorcast/errors.h).
 ArenaAllocator: Any = _native.ArenaAllocator
 PageIndex: Any = _native.PageIndex
 PageServer: Any = _native.PageServer

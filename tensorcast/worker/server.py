@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -60,11 +61,11 @@ METRIC_HELP = {
 }
 
 
-def _samples(node: WorkerNode, transfers: Transfers, page_server: object) -> list[Sample]:
+def _samples(node: WorkerNode, transfers: Transfers, page_server: Any) -> list[Sample]:
     stats = node.pool.stats()
     disk = node.disk.content_ids() if node.disk else []
     pages = node.pages.stats()
-    served = page_server.stats()  # type: ignore[attr-defined]
+    served = page_server.stats()
     return [
         ("tc_pool_bytes", {"tier": "cpu", "kind": "capacity"}, stats.capacity_bytes),
         ("tc_pool_bytes", {"tier": "cpu", "kind": "used"}, stats.used_bytes),

@@ -18,6 +18,11 @@ using Digest = std::array<uint8_t, 16>;  // canonical (big-endian) XXH128
 // The result never depends on `threads` (0 = hardware concurrency).
 Digest tree_hash(const uint8_t* data, size_t size_bytes, unsigned threads);
 
+// The last step of the tree hash, for callers that hash the chunks themselves: `record` holds
+// `chunks` canonical chunk digests (16 bytes each) followed by 8 free bytes, where the length
+// trailer is written.
+Digest tree_hash_finish(uint8_t* record, size_t chunks, uint64_t size_bytes);
+
 // Same digests as tree_hash on each buffer, but all chunks of all buffers share
 // one worker pool so many small buffers cost no per-buffer thread start.
 std::vector<Digest> tree_hash_many(
