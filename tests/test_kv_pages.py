@@ -31,6 +31,22 @@ def _pages(n: int, numel: int = 1024, tag: float = 0.0) -> dict[str, torch.Tenso
     }
 
 
+def _exited(pid: int) -> bool:
+    """Every thread of the process has exited (its descriptors are closed with the last)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+        except FileNotFoundError:
+            pass
+    return True
+
+
 def _remote(rt: tc.Runtime) -> tc.Runtime:
     """Pretend to be on another host: every page operation goes through gRPC."""
     rt.host_id = "another-host"
@@ -146,8 +162,10 @@ def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_h
         victim_keys = [k for k in data if shard_of(k, table.num_shards) in lost]
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
+        wait_until(lambda: _exited(victim.pid), 5)  # its sockets are closed now
 
-        # Until the lease expires the shard has a dead home: a clear error, never wrong bytes.
+        # Until the lease expires the shard has a dead home: a clear error, never wrong bytes
+        # (its memory is still mapped here, directory included: it must not be read).
         with pytest.raises(tc.Unavailable):
             pages.get_pages(victim_keys[:1])
 

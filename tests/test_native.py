@@ -54,6 +54,31 @@ def test_read_file_into(tmp_path):
         native.read_file_into(path, 0, len(data) + 1, bytearray(len(data) + 1), 0)
 
 
+def test_read_files_reads_and_hashes_spans_of_many_files(tmp_path):
+    """Spans of two files in one call (adjacent ones are read as one run): the bytes land where
+    asked and the hashes are the tree hashes of those bytes."""
+    a, b = os.urandom(3 * CHUNK + 999), os.urandom(CHUNK // 2)
+    (tmp_path / "a").write_bytes(a)
+    (tmp_path / "b").write_bytes(b)
+    spans = [
+        (0, 17, CHUNK, 17),  # these two are adjacent in the file and in dest
+        (0, 17 + CHUNK, len(a) - 17 - CHUNK, 17 + CHUNK),
+        (1, 0, len(b), 4 * CHUNK),
+        (1, 5, 100, 5 * CHUNK + 1),
+        (1, 0, 0, 5 * CHUNK),
+    ]
+    dest = bytearray(6 * CHUNK)
+    files = [tmp_path / "a", tmp_path / "b"]
+    hashes = native.read_files(files, spans, dest, hash=True, threads=3)
+    assert dest[17 : len(a)] == a[17:]
+    assert dest[4 * CHUNK : 4 * CHUNK + len(b)] == b
+    assert dest[5 * CHUNK + 1 : 5 * CHUNK + 101] == b[5:105]
+    assert hashes == native.hash_buffers([a[17 : 17 + CHUNK], a[17 + CHUNK :], b, b[5:105], b""])
+    assert native.read_files(files, spans, bytearray(6 * CHUNK)) is None
+    with pytest.raises(InvalidArgument, match="shorter"):
+        native.read_files(files, [(1, 1, len(b), 0)], bytearray(len(b) + 1))
+
+
 def test_pulls_reuse_idle_connections_to_the_same_server():
     """A finished pull leaves its authenticated connections for the next pull from the same
     server: the second pull opens none; a wrong token never gets a pooled connection."""

@@ -19,6 +19,7 @@
 #include "tensorcast/copy.h"
 #include "tensorcast/file_read.h"
 #include "tensorcast/hash.h"
+#include "tensorcast/page_directory.h"
 #include "tensorcast/page_index.h"
 #include "tensorcast/page_server.h"
 #include "tensorcast/transport.h"
@@ -313,17 +314,31 @@ NB_MODULE(_native, m) {
         "hash_buffer for many buffers at once, sharing one pool of threads.");
 
     m.def(
-        "read_file_into",
-        [](const std::string& path, uint64_t file_offset, uint64_t length, nb::handle dest,
-           uint64_t dest_offset, unsigned threads) {
+        "read_files",
+        [](const std::vector<std::string>& files,
+           const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>>& spans,
+           nb::handle dest, bool hash, unsigned threads) {
             const BufferView view(dest, "dest", true);
-            check_fits("dest", dest_offset, length, view.size_bytes());
-            nb::gil_scoped_release release;
-            tc::read_file_into(path, file_offset, length, view.data() + dest_offset, threads);
+            std::vector<tc::FileSpan> native_spans;
+            native_spans.reserve(spans.size());
+            for (const auto& [file, file_offset, length, dest_offset] : spans) {
+                check_fits("dest", dest_offset, length, view.size_bytes());
+                native_spans.push_back({file, file_offset, length, view.data() + dest_offset});
+            }
+            std::vector<tc::Digest> digests;
+            {
+                nb::gil_scoped_release release;
+                if (hash)
+                    digests = tc::read_spans_hashed(files, native_spans, threads);
+                else
+                    tc::read_spans(files, native_spans, threads);
+            }
+            return hash ? nb::object(to_list(digests)) : nb::none();
         },
-        nb::arg("path"), nb::arg("file_offset"), nb::arg("length"), nb::arg("dest"),
-        nb::arg("dest_offset"), nb::arg("threads") = 0,
-        "Read length bytes at file_offset of path into dest[dest_offset:].");
+        nb::arg("files"), nb::arg("spans"), nb::arg("dest"), nb::arg("hash") = false,
+        nb::arg("threads") = 0,
+        "Read spans (file index, file offset, length, dest offset) of files into dest; with "
+        "hash, return the tree hash of each span (else None).");
 
     m.def(
         "copy_into",
@@ -542,8 +557,47 @@ NB_MODULE(_native, m) {
             },
             nb::arg("held"), "shard -> (token, monotonic deadline) of the leases held now.")
         .def("set_lease_fallback", &PyPageIndex::set_lease_fallback, nb::arg("fn"))
+        .def(
+            "attach_directory",
+            [](PyPageIndex& p, std::shared_ptr<tc::PageDirectory> directory) {
+                p.index().attach_directory(std::move(directory));
+            },
+            nb::arg("directory"), "Mirror the index into a PageDirectory for same-host readers.")
         .def("close", &PyPageIndex::close,
              "Drop the fallback and release the pool buffer (stop page servers first).");
+
+    nb::class_<tc::PageDirectory>(m, "PageDirectory",
+                                  "The worker's shared-memory mirror of its page index "
+                                  "(see page_directory.h).")
+        .def(nb::init<uint32_t>(), nb::arg("min_slots"))
+        .def_prop_ro("fd", &tc::PageDirectory::fd)
+        .def_prop_ro("size_bytes", &tc::PageDirectory::size_bytes)
+        .def_prop_ro("slots", &tc::PageDirectory::slots);
+
+    nb::class_<tc::DirectoryReader>(m, "DirectoryReader",
+                                    "A caller's read-only view of a worker's page directory.")
+        .def(nb::init<int, uint64_t>(), nb::arg("fd"), nb::arg("size_bytes"))
+        .def(
+            "lookup",
+            [](const tc::DirectoryReader& r,
+               const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
+                nb::list out;
+                for (const auto& [key, shard, token] : keys) {
+                    const auto hit = r.lookup(key, shard, token);
+                    if (!hit) {
+                        out.append(nb::none());
+                        continue;
+                    }
+                    nb::list shape;
+                    for (int64_t d : hit->shape) shape.append(d);
+                    out.append(nb::make_tuple(hit->offset, hit->size_bytes, hit->dtype,
+                                              nb::tuple(shape), hit->hash));
+                }
+                return out;
+            },
+            nb::arg("keys"),
+            "Per (key, shard, token): (offset, size_bytes, dtype, shape, hash) of a live page, "
+            "or None (then ask the worker).");
 
     nb::class_<tc::PageServer>(m, "PageServer",
                                "Serves same-host page requests natively (see page_server.h).")

@@ -9,59 +9,57 @@
 #include "xxh.h"
 
 namespace tc {
-namespace {
 
-struct ChunkTask {
-    const uint8_t* data;
-    size_t size_bytes;
-    uint8_t* digest_out;  // 16 bytes inside the owning buffer's record
-};
+TreeHasher::TreeHasher(const std::vector<std::pair<const uint8_t*, size_t>>& buffers)
+    : buffers_(buffers), record_offsets_(buffers.size() + 1, 0) {
+    // One flat allocation of per-buffer records: the chunk digests followed by
+    // the 8-byte length trailer, i.e. exactly the input of the final hash.
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+        const size_t size_bytes = buffers_[b].second;
+        const size_t chunks = (size_bytes + kTreeHashChunkBytes - 1) / kTreeHashChunkBytes;
+        record_offsets_[b + 1] = record_offsets_[b] + chunks * 16 + 8;
+        for (size_t offset = 0; offset < size_bytes; offset += kTreeHashChunkBytes)
+            chunks_.push_back({b, offset, std::min(kTreeHashChunkBytes, size_bytes - offset)});
+    }
+    records_.resize(record_offsets_.back());
+    digest_out_.reserve(chunks_.size());
+    for (const Chunk& c : chunks_)
+        digest_out_.push_back(records_.data() + record_offsets_[c.buffer] +
+                              16 * (c.offset / kTreeHashChunkBytes));
+}
 
-}  // namespace
+void TreeHasher::hash_chunk(size_t i) {
+    const Chunk& c = chunks_[i];
+    xxh::store_canonical(xxh::hash128(buffers_[c.buffer].first + c.offset, c.size_bytes),
+                         digest_out_[i]);
+}
+
+std::vector<Digest> TreeHasher::finish() {
+    std::vector<Digest> digests(buffers_.size());
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+        const size_t chunks = (record_offsets_[b + 1] - record_offsets_[b] - 8) / 16;
+        digests[b] = tree_hash_finish(records_.data() + record_offsets_[b], chunks,
+                                      buffers_[b].second);
+    }
+    return digests;
+}
 
 std::vector<Digest> tree_hash_many(
     const std::vector<std::pair<const uint8_t*, size_t>>& buffers, unsigned threads) {
-    // One flat allocation of per-buffer records: the chunk digests followed by
-    // the 8-byte length trailer, i.e. exactly the input of the final hash.
-    std::vector<size_t> record_offsets(buffers.size() + 1, 0);
-    size_t total_chunks = 0;
+    TreeHasher hasher(buffers);
     size_t total_bytes = 0;
-    for (size_t b = 0; b < buffers.size(); ++b) {
-        const size_t chunks = (buffers[b].second + kTreeHashChunkBytes - 1) / kTreeHashChunkBytes;
-        record_offsets[b + 1] = record_offsets[b] + chunks * 16 + 8;
-        total_chunks += chunks;
-        total_bytes += buffers[b].second;
-    }
-    std::vector<uint8_t> records(record_offsets.back());
-    std::vector<ChunkTask> tasks;
-    tasks.reserve(total_chunks);
-    for (size_t b = 0; b < buffers.size(); ++b) {
-        const auto [data, size_bytes] = buffers[b];
-        uint8_t* record = records.data() + record_offsets[b];
-        size_t offset = 0;
-        for (; offset < size_bytes; offset += kTreeHashChunkBytes, record += 16)
-            tasks.push_back({data + offset, std::min(kTreeHashChunkBytes, size_bytes - offset), record});
-    }
-
+    for (const auto& b : buffers) total_bytes += b.second;
     // One worker per full chunk of input at most: under 2 chunks stays on this thread.
     const size_t byte_bound = std::max<size_t>(1, total_bytes / kTreeHashChunkBytes);
     const unsigned workers = unsigned(std::max<size_t>(
-        1, std::min({size_t(detail::resolve_threads(threads)), tasks.size(), byte_bound})));
+        1, std::min({size_t(detail::resolve_threads(threads)), hasher.chunk_count(), byte_bound})));
     // Dynamic claiming keeps threads busy when buffer sizes are very uneven.
     std::atomic<size_t> next{0};
     detail::run_workers(workers, [&](unsigned) {
-        for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks.size();) {
-            const ChunkTask& task = tasks[i];
-            xxh::store_canonical(xxh::hash128(task.data, task.size_bytes), task.digest_out);
-        }
+        for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < hasher.chunk_count();)
+            hasher.hash_chunk(i);
     });
-
-    std::vector<Digest> digests(buffers.size());
-    for (size_t b = 0; b < buffers.size(); ++b) {
-        const size_t chunks = (record_offsets[b + 1] - record_offsets[b] - 8) / 16;
-        digests[b] = tree_hash_finish(records.data() + record_offsets[b], chunks, buffers[b].second);
-    }
-    return digests;
+    return hasher.finish();
 }
 
 Digest tree_hash_finish(uint8_t* record, size_t chunks, uint64_t size_bytes) {

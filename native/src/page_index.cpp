@@ -22,6 +22,19 @@ std::string hex(const Digest& digest) {
 
 std::string quoted(const std::string& key) { return "'" + key.substr(0, 80) + "'"; }
 
+DirectoryPage mirrored(const Page& page) {
+    DirectoryPage d;
+    d.shard = page.shard;
+    d.home = page.home;
+    d.offset = page.offset;
+    d.size_bytes = page.size_bytes;
+    d.expires_at = page.expires_at;
+    d.dtype = page.dtype;
+    d.shape = page.shape;
+    d.hash = page.hash;
+    return d;
+}
+
 }  // namespace
 
 double monotonic_s() {
@@ -74,6 +87,13 @@ uint64_t PageIndex::allocate_one(uint64_t size, bool evict) {
 bool PageIndex::evict_one() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (lru_.empty()) return false;
+    // Pages read through the directory never told the index: their touch gives them a second
+    // chance (bounded, so eviction never loops over a pool of hot pages).
+    for (int chance = 0; directory_ && chance < 64; ++chance) {
+        const Entry& lru = pages_.find(lru_.front())->second;
+        if (!directory_->take_touched(lru.slot)) break;
+        lru_.splice(lru_.end(), lru_, lru.lru);
+    }
     remove_locked(pages_.find(lru_.front()));
     return true;
 }
@@ -163,7 +183,8 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s, bool 
             page.home = home;
             lru_.push_back(w.key);
             const auto expiry = expiry_.emplace(page.expires_at, w.key);
-            pages_.emplace(w.key, Entry{std::move(page), std::prev(lru_.end()), expiry});
+            const int64_t slot = directory_ ? directory_->publish(w.key, mirrored(page)) : -1;
+            pages_.emplace(w.key, Entry{std::move(page), std::prev(lru_.end()), expiry, slot});
             bytes_ += w.size_bytes;
             home_count_ += home;
         }
@@ -200,6 +221,13 @@ std::vector<std::optional<Page>> PageIndex::lookup(const std::vector<PageKey>& k
 void PageIndex::set_leases(const std::map<uint32_t, std::pair<uint64_t, double>>& held) {
     std::lock_guard<std::mutex> lock(lease_mutex_);
     held_ = held;
+    if (directory_) directory_->set_leases(held);
+}
+
+void PageIndex::attach_directory(std::shared_ptr<PageDirectory> directory) {
+    std::scoped_lock lock(mutex_, lease_mutex_);
+    directory_ = std::move(directory);
+    directory_->set_leases(held_);
 }
 
 void PageIndex::set_lease_fallback(LeaseFallback fallback) {
@@ -285,6 +313,7 @@ PageIndexStats PageIndex::stats() {
 void PageIndex::remove_locked(std::unordered_map<std::string, Entry>::iterator it) {
     bytes_ -= it->second.page.size_bytes;
     home_count_ -= it->second.page.home;
+    if (directory_) directory_->unpublish(it->second.slot);  // before its region can be reused
     arena_->free(it->second.page.offset);
     lru_.erase(it->second.lru);
     expiry_.erase(it->second.expiry);

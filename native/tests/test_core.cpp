@@ -112,6 +112,38 @@ void test_file_read() {
         [&] { tc::read_file_into("/nonexistent/tc_core_test", 0, 1, dest.data(), 2); }));
 }
 
+// Tensor-like spans (adjacent in the file and in memory, so read as one run), a span elsewhere
+// and empty ones: bytes and tree hashes equal the file's, whatever the threads.
+void test_read_spans_hashed() {
+    const auto bytes = random_bytes(3 * tc::kTreeHashChunkBytes + 12345, 6);
+    const TempFile file(bytes);
+    struct Span { uint64_t offset, length, dest; };
+    const std::vector<Span> spans = {
+        {13, 4200000, 13}, {4200013, 100, 4200113}, {4200113, 5000000, 4200213},  // one run
+        {9200113, 0, 9200213}, {100, 5000, 9300000}, {bytes.size(), 0, 9400000},
+        {bytes.size() - 7, 7, 9400000}};
+    std::vector<uint8_t> memory(9500000);
+    for (unsigned threads : {1u, 3u, 0u}) {
+        std::fill(memory.begin(), memory.end(), 0xAB);
+        std::vector<tc::FileSpan> native_spans;
+        for (const Span& s : spans)
+            native_spans.push_back({0, s.offset, s.length, memory.data() + s.dest});
+        const auto digests = tc::read_spans_hashed({file.path}, native_spans, threads);
+        CHECK(digests.size() == spans.size());
+        for (size_t i = 0; i < spans.size(); ++i) {
+            CHECK(std::memcmp(memory.data() + spans[i].dest, bytes.data() + spans[i].offset,
+                              spans[i].length) == 0);
+            CHECK(digests[i] == tc::tree_hash(bytes.data() + spans[i].offset, spans[i].length, 1));
+        }
+        CHECK(memory[12] == 0xAB && memory[9200213] == 0xAB);  // nothing written outside
+    }
+    // A span past the end of its file, or of a file not given, reads nothing.
+    CHECK(throws<tc::ShortFileError>([&] {
+        tc::read_spans_hashed({file.path}, {{0, bytes.size() - 1, 2, memory.data()}}, 2);
+    }));
+    CHECK(throws<tc::IoError>([&] { tc::read_spans({file.path}, {{1, 0, 1, memory.data()}}, 2); }));
+}
+
 void test_parallel_copy() {
     for (size_t size : {size_t(0), size_t(1), size_t(1000), tc::kParallelCopyMinBytes + 7}) {
         const auto source = random_bytes(size, 5);
@@ -154,6 +186,7 @@ int main() {
     test_hash_bit_flip();
     test_hash_many_matches_single();
     test_file_read();
+    test_read_spans_hashed();
     test_parallel_copy();
     if (failures != 0) {
         std::fprintf(stderr, "%d check(s) failed\n", failures);

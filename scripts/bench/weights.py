@@ -34,7 +34,7 @@ the cold modes run in a rotated order each round (see the loop).
 The script starts its own cluster (`tc up`) in a temporary state dir and always stops it
 (`tc down`). Prints one JSON line, then a table.
 
-    python scripts/bench/weights.py                          # ~1.5 GiB, 4 repeats
+    python scripts/bench/weights.py                          # ~3 GiB, 4 repeats
     python scripts/bench/weights.py --size-gib 0.5 --repeats 1
 """
 
@@ -391,7 +391,7 @@ def fmt(x: Any, unit: str = "s") -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--size-gib", type=float, default=1.5)
+    ap.add_argument("--size-gib", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--delta-fraction", type=float, default=0.10)

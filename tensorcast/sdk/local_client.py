@@ -15,7 +15,7 @@ import weakref
 from typing import Any
 
 from tensorcast import errors
-from tensorcast.transport import unix
+from tensorcast.transport import native, unix
 from tensorcast.types import TensorMeta
 
 _PAGE = mmap.PAGESIZE
@@ -36,6 +36,9 @@ class LocalConnection:
         self.worker_id = reply["worker_id"]
         self.arena_bytes = int(reply["arena_bytes"])
         self._arena: memoryview | None = None
+        self._directory_fd = fds[1] if len(fds) > 1 else None
+        self._directory_bytes = int(reply.get("directory_bytes", 0))
+        self._directory: Any = None
         self._live_holds = 0
         self._released: collections.deque[int] = collections.deque()
         self._wake = threading.Event()
@@ -89,6 +92,20 @@ class LocalConnection:
                 self._arena = memoryview(mm)
             return self._arena
 
+    def directory(self) -> Any:
+        """The worker's page directory (native.DirectoryReader), mapped once; None when the
+        worker sent none. Looking a page up there takes no round trip to the worker."""
+        with self._lock:
+            if self._directory is None and self._directory_fd is not None:
+                try:
+                    self._directory = native.directory_reader(
+                        self._directory_fd, self._directory_bytes
+                    )
+                finally:
+                    os.close(self._directory_fd)  # the mapping stays
+                    self._directory_fd = None
+            return self._directory
+
     def open(self, content_id: str) -> tuple[mmap.mmap, int, tuple[TensorMeta, ...]]:
         """Hold a content and map it; the hold ends when the returned map is garbage collected."""
         reply = self.request({"op": "open", "content_id": content_id})
@@ -140,3 +157,6 @@ class LocalConnection:
             self._closed = True
             self.sock.close()
             os.close(self.fd)
+            if self._directory_fd is not None:
+                os.close(self._directory_fd)
+                self._directory_fd = None

@@ -76,10 +76,18 @@ class _Reader:
 
 class PageConnection:
     def __init__(
-        self, local_socket: str, arena: Callable[[], memoryview], token: str, timeout_s: float
+        self,
+        local_socket: str,
+        arena: Callable[[], memoryview],
+        token: str,
+        timeout_s: float,
+        directory: Callable[[], Any] = lambda: None,
     ) -> None:
-        """`arena` maps the worker's pool (LocalConnection.arena): page bytes go through it."""
+        """`arena` maps the worker's pool (LocalConnection.arena): page bytes go through it.
+        `directory` gives the worker's page directory (LocalConnection.directory) or None:
+        lookups try it first and ask the worker only for what it does not show."""
         self.arena = arena
+        self.directory = directory
         self.sock = unix.connect(unix.page_socket_name(local_socket), timeout_s)
         self._readable = select.poll()
         self._readable.register(self.sock, select.POLLIN)
@@ -154,7 +162,47 @@ class PageConnection:
         return list(struct.unpack_from(f"<{n}Q", reply, 4))
 
     def get(self, wanted: Sequence[Wanted]) -> list[dict[str, Any] | None]:
-        """Where each page lies in the pool (offset, size_bytes, dtype, shape, hash), or None."""
+        """Where each page lies in the pool (offset, size_bytes, dtype, shape, hash), or None.
+        The shared-memory directory answers first; the worker is asked for the rest."""
+        directory = self._live_directory()
+        if directory is None:
+            return self._get(wanted)
+        out: list[dict[str, Any] | None] = []
+        missing: list[int] = []
+        for i, hit in enumerate(directory.lookup(wanted)):
+            if hit is None:
+                missing.append(i)
+                out.append(None)
+            else:
+                offset, size, dtype, shape, digest = hit
+                out.append(
+                    {
+                        "offset": offset,
+                        "size_bytes": size,
+                        "dtype": dtype,
+                        "shape": shape,
+                        "hash": digest,
+                    }
+                )
+        if missing:
+            for i, found in zip(missing, self._get([wanted[i] for i in missing])):
+                out[i] = found
+        return out
+
+    def _live_directory(self) -> Any:
+        """The directory, once the worker is known to be alive: a dead worker's memory stays
+        mapped here, but its pages must read as gone (as over the socket)."""
+        directory = self.directory()
+        if directory is not None:
+            with self._lock:  # (not while a call's reply is in flight)
+                # The worker never writes unasked: anything readable is its end closing.
+                gone = bool(self._readable.poll(0))
+            if gone:
+                self.broken = True
+                raise errors.Unavailable("local worker page connection closed: the worker is gone")
+        return directory
+
+    def _get(self, wanted: Sequence[Wanted]) -> list[dict[str, Any] | None]:
         r = _Reader(self._call(GET, _keys(wanted)))
         (n,) = r.take(_U32)
         out: list[dict[str, Any] | None] = []
@@ -179,6 +227,17 @@ class PageConnection:
         return out
 
     def exists(self, wanted: Sequence[Wanted]) -> list[bool]:
+        directory = self._live_directory()
+        if directory is None:
+            return self._exists(wanted)
+        out = [hit is not None for hit in directory.lookup(wanted)]
+        missing = [i for i, hit in enumerate(out) if not hit]
+        if missing:
+            for i, found in zip(missing, self._exists([wanted[i] for i in missing])):
+                out[i] = found
+        return out
+
+    def _exists(self, wanted: Sequence[Wanted]) -> list[bool]:
         reply = self._call(EXISTS, _keys(wanted))
         (n,) = _U32.unpack_from(reply)
         return [bool(b) for b in reply[4 : 4 + n]]

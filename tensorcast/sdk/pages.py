@@ -185,7 +185,9 @@ class Pages:
                 conn = None
         if conn is None:
             local = self.rt.local_connection_to(worker_id, local_socket)
-            conn = PageConnection(local_socket, local.arena, self.rt.token, self.rt.timeout_s)
+            conn = PageConnection(
+                local_socket, local.arena, self.rt.token, self.rt.timeout_s, local.directory
+            )
             with self._lock:
                 kept = self._conns.setdefault(worker_id, conn)
             if kept is not conn:

@@ -17,6 +17,16 @@ ArenaAllocator: Any = _native.ArenaAllocator
 PageIndex: Any = _native.PageIndex
 PageServer: Any = _native.PageServer
 MAX_PAGE_BATCH: int = _native.MAX_PAGE_BATCH  # pages per page-index request
+PageDirectory: Any = _native.PageDirectory
+
+
+def directory_reader(fd: int, size_bytes: int) -> Any:
+    """A caller's view of a worker's page directory (DirectoryReader), or None when the
+    descriptor holds no directory of this version (then every lookup asks the worker)."""
+    try:
+        return _native.DirectoryReader(fd, size_bytes)
+    except _native.IoError:
+        return None
 
 
 def hash_buffer(buf: Any, threads: int = 0) -> str:
@@ -29,6 +39,32 @@ def hash_buffers(bufs: Sequence[Any], threads: int = 0) -> list[str]:
     return [bytes(h).hex() for h in _native.hash_buffers(list(bufs), threads)]
 
 
+# (file index, file offset, length, dest offset)
+FileSpan = tuple[int, int, int, int]
+
+
+def read_files(
+    files: Sequence[str | os.PathLike[str]],
+    spans: Sequence[FileSpan],
+    dest: Any,
+    *,
+    hash: bool = False,
+    threads: int = 0,
+) -> list[str] | None:
+    """Parallel positional reads of file spans straight into `dest` (a writable buffer), GIL
+    released. With `hash`, returns each span's tree hash, every chunk hashed by the thread that
+    just read it (spans adjacent in the file and in `dest` are read as one run)."""
+    try:
+        digests = _native.read_files(
+            [os.fspath(f) for f in files], list(spans), dest, hash, threads
+        )
+    except _native.ShortFileError as e:
+        raise InvalidArgument(f"file shorter than declared: {e}") from None
+    except _native.IoError as e:
+        raise TensorcastError(f"read failed: {e}") from None
+    return None if digests is None else [bytes(h).hex() for h in digests]
+
+
 def read_file_into(
     path: str | os.PathLike[str],
     file_offset: int,
@@ -37,13 +73,8 @@ def read_file_into(
     dest_offset: int,
     threads: int = 0,
 ) -> None:
-    """Parallel positional reads of a file range straight into `dest` (a writable buffer)."""
-    try:
-        _native.read_file_into(os.fspath(path), file_offset, length, dest, dest_offset, threads)
-    except _native.ShortFileError as e:
-        raise InvalidArgument(f"file shorter than declared: {e}") from None
-    except _native.IoError as e:
-        raise TensorcastError(f"read failed: {e}") from None
+    """One range of one file into `dest[dest_offset:]` (read_files of a single span)."""
+    read_files([path], [(0, file_offset, length, dest_offset)], dest, threads=threads)
 
 
 def copy_into(dest: Any, dest_offset: int, source: Any, threads: int = 0) -> None:

@@ -27,6 +27,9 @@ def page_socket_name(local_socket: str) -> str:
     return f"{local_socket}-pages"
 
 
+MAX_FDS = 2  # a worker's hello hands over its pool and its page directory
+
+
 def send_message(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE_BYTES:
@@ -51,7 +54,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One message and any descriptors that came with it. Raises ConnectionError on EOF."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, 1)
+    head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS)
     if not head:
         raise ConnectionResetError("peer closed the connection")
     if len(head) < _LEN.size:

@@ -116,6 +116,14 @@ def _selected_span(meta: TensorMeta, dims: list) -> tuple[int, int]:
     return first, last + itemsize
 
 
+def _extent_of(ref: FileReference, t: TensorMeta) -> Extent:
+    return next(
+        e
+        for e in ref.layout.extents
+        if e.region_offset <= t.offset_bytes < e.region_offset + e.length
+    )
+
+
 def describe(path: str | os.PathLike[str]) -> FileReference:
     """Validate a file or model directory and describe it, reading headers only."""
     try:
@@ -155,15 +163,28 @@ class FileReferences:
         with self._lock:
             return sorted(self._refs)
 
-    def read_into(self, ref: FileReference, dest: memoryview, dest_offset: int) -> None:
-        """Copy the referenced bytes into `dest` (parallel positional reads per file)."""
+    def read(self, ref: FileReference, dest: memoryview, dest_offset: int) -> list[str]:
+        """Read every tensor of `ref` into `dest[dest_offset:]` (all files in one parallel pass)
+        and return their hashes, each chunk hashed by the thread that read it. Refuses files
+        changed before or while they were read."""
         _check_unchanged(ref)
-        for e in ref.layout.extents:
-            native.read_file_into(
-                e.path, e.file_offset, e.length, dest, dest_offset + e.region_offset
+        files = list(dict.fromkeys(e.path for e in ref.layout.extents))
+        file_index = {path: i for i, path in enumerate(files)}
+        spans = []
+        for t in ref.layout.tensors:
+            if t.size_bytes == 0:  # in no extent; hashes as empty
+                spans.append((0, 0, 0, dest_offset + t.offset_bytes))
+                continue
+            e = _extent_of(ref, t)
+            file_offset = e.file_offset + t.offset_bytes - e.region_offset
+            spans.append(
+                (file_index[e.path], file_offset, t.size_bytes, dest_offset + t.offset_bytes)
             )
-        with self._lock:
-            self.bytes_read_total += sum(e.length for e in ref.layout.extents)
+        hashes = native.read_files(files, spans, dest, hash=True)
+        assert hashes is not None
+        _check_unchanged(ref)  # rewritten in place while we read: refuse, commit nothing
+        self._count(sum(t.size_bytes for t in ref.layout.tensors))
+        return hashes
 
     def copy_view(
         self, ref: FileReference, slices: dict, target: memoryview, targets: list[TensorMeta]
@@ -174,16 +195,11 @@ class FileReferences:
         from tensorcast.worker.slicing import copy_slices
 
         _check_unchanged(ref)
-        read = 0
         for source, dest in zip(ref.layout.tensors, targets):
             if dest.size_bytes == 0:
                 continue
             begin, end = _selected_span(source, slices.get(source.name, []))
-            extent = next(
-                e
-                for e in ref.layout.extents
-                if e.region_offset <= source.offset_bytes < e.region_offset + e.length
-            )
+            extent = _extent_of(ref, source)
             # Anonymous memory: only the pages of the span read are ever touched.
             with mmap.mmap(-1, source.size_bytes) as scratch:
                 native.read_file_into(
@@ -199,10 +215,12 @@ class FileReferences:
                     copy_slices(view, (local,), target, [dest], slices)
                 finally:
                     view.release()
-            read += end - begin
+            self._count(end - begin)
         _check_unchanged(ref)  # rewritten in place while we read: refuse, commit nothing
+
+    def _count(self, nbytes: int) -> None:
         with self._lock:
-            self.bytes_read_total += read
+            self.bytes_read_total += nbytes
 
     def learned(self, content_id: str, tensors: tuple[TensorMeta, ...]) -> None:
         """Record the hashes of the first read."""

@@ -68,8 +68,9 @@ class LocalServer:
                     "ok": True,
                     "worker_id": self.node.worker_id,
                     "arena_bytes": self.node.pool.capacity_bytes,
+                    "directory_bytes": self.node.pages.directory.size_bytes,
                 },
-                fds=(self.node.pool.fd,),
+                fds=(self.node.pool.fd, self.node.pages.directory.fd),
             )
             while True:
                 message, _ = recv_message(conn)

@@ -9,9 +9,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 from tensorcast.config import host_id
 from tensorcast.errors import (
+    IntegrityError,
     NotFound,
     ResourceExhausted,
     TensorcastError,
@@ -236,20 +238,27 @@ class WorkerNode:
         self._moved_tier(content_id, old_tier="disk")
 
     def _load_reference(self, ref: FileReference) -> None:
-        """The cold path: read the tensors' byte ranges from the files into the pool. The first
-        read's hashes become the content's; a later read must reproduce them."""
+        """The cold path: read the tensors' byte ranges from the files into the pool, hashing
+        as they arrive. The first read's hashes become the content's; a later read must
+        reproduce them."""
         started = time.monotonic()
         res = self.reserve(ref.layout.size_bytes)
         try:
-            self.references.read_into(ref, self.pool.view, res.offset)
+            hashes = self.references.read(ref, self.pool.view, res.offset)
             read_s = time.monotonic() - started
+            for t, h, first in zip(ref.layout.tensors, hashes, ref.hashes or hashes):
+                if h != first:
+                    raise IntegrityError(
+                        f"tensor {t.name!r} of {ref.content_id}: read again from its files it "
+                        f"hashes to {h}, the first read to {first}; nothing was stored"
+                    )
         except BaseException:
             self.pool.abort(res.reservation_id)
             raise
         committed = self.commit(
             res.reservation_id,
-            list(ref.tensors),
-            verify_hashes=bool(ref.hashes),
+            [replace(t, hash_hex=h) for t, h in zip(ref.layout.tensors, hashes)],
+            hashed=True,
             replica=True,
             content_id=ref.content_id,
         )
@@ -330,13 +339,14 @@ class WorkerNode:
         verify_hashes: bool = False,
         replica: bool = False,
         content_id: str | None = None,
+        hashed: bool = False,
     ) -> Committed:
         """Turn a written reservation into content known to the Global Store.
 
         New content (`replica=False`) that another live worker already holds is dropped here:
         identical content is stored once. A `replica` is a deliberate extra copy (prefetch).
         """
-        result = self.pool.commit(reservation_id, tensors, verify_hashes, content_id)
+        result = self.pool.commit(reservation_id, tensors, verify_hashes, content_id, hashed)
         content = result.content
         if not result.deduplicated and not replica:
             found = self.store.call(

@@ -60,10 +60,20 @@ class PageWrite:
     hash_hex: str
 
 
+# The shared-memory page directory (native/include/tensorcast/page_directory.h) has a slot per
+# this many pool bytes (pages smaller on average leave the excess to the page socket).
+DIRECTORY_BYTES_PER_SLOT = 64 * 1024
+MAX_DIRECTORY_SLOTS = 1 << 20  # 128 MiB of directory
+
+
 class PageStore:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.index = native.PageIndex(pool.view, pool.arena, DTYPE_ITEMSIZE)
+        # Same-host callers find pages here without a round trip (the index stays the truth).
+        slots = min(MAX_DIRECTORY_SLOTS, pool.capacity_bytes // DIRECTORY_BYTES_PER_SLOT)
+        self.directory = native.PageDirectory(slots)
+        self.index.attach_directory(self.directory)
 
     def close(self) -> None:
         """Release the pool buffer (after every page server over this index has stopped)."""

@@ -110,11 +110,14 @@ class Pool:
         tensors: list[TensorMeta],
         verify_hashes: bool = False,
         content_id: str | None = None,
+        hashed: bool = False,
     ) -> CommitResult:
         """Hash the reservation's tensors and turn it into content.
 
         `tensors` carry offsets relative to the reservation. With `verify_hashes`, their
         `hash_hex` are claims checked against the bytes (IntegrityError, reservation freed).
+        With `hashed`, their `hash_hex` were computed by this worker from these very bytes as
+        it wrote them (a file read that hashes as it goes): taken as they are.
         Identical content already in the pool wins: the new bytes are freed (deduplicated).
         `content_id` names content whose identity is not its hashes (registered by reference).
         """
@@ -125,9 +128,12 @@ class Pool:
             res.committing = True
         try:
             _check_layout(tensors, res.size_bytes)
-            hashes = native.hash_buffers(
-                [self.region(res.offset + t.offset_bytes, t.size_bytes) for t in tensors]
-            )
+            if hashed:
+                hashes = [t.hash_hex for t in tensors]
+            else:
+                hashes = native.hash_buffers(
+                    [self.region(res.offset + t.offset_bytes, t.size_bytes) for t in tensors]
+                )
             if verify_hashes:
                 for t, h in zip(tensors, hashes):
                     if t.hash_hex != h:

@@ -23,6 +23,31 @@ Digest tree_hash(const uint8_t* data, size_t size_bytes, unsigned threads);
 // trailer is written.
 Digest tree_hash_finish(uint8_t* record, size_t chunks, uint64_t size_bytes);
 
+// The tree hashes of many buffers, one chunk at a time in any order, on any thread (distinct
+// chunks concurrently): for callers that produce the bytes themselves and hash each chunk as
+// soon as it is there (a reader hashing what it just read).
+class TreeHasher {
+public:
+    struct Chunk {
+        size_t buffer;
+        size_t offset;
+        size_t size_bytes;
+    };
+
+    explicit TreeHasher(const std::vector<std::pair<const uint8_t*, size_t>>& buffers);
+    size_t chunk_count() const { return chunks_.size(); }
+    const Chunk& chunk(size_t i) const { return chunks_[i]; }
+    void hash_chunk(size_t i);
+    std::vector<Digest> finish();  // once every chunk is hashed
+
+private:
+    std::vector<std::pair<const uint8_t*, size_t>> buffers_;
+    std::vector<Chunk> chunks_;
+    std::vector<size_t> record_offsets_;  // per buffer: its chunk digests, then 8 free bytes
+    std::vector<uint8_t*> digest_out_;    // per chunk: where its digest goes
+    std::vector<uint8_t> records_;
+};
+
 // Same digests as tree_hash on each buffer, but all chunks of all buffers share
 // one worker pool so many small buffers cost no per-buffer thread start.
 std::vector<Digest> tree_hash_many(

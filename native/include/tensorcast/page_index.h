@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tensorcast/arena.h"
+#include "tensorcast/page_directory.h"
 
 namespace tc {
 
@@ -85,6 +86,9 @@ public:
     // -- reading --
     std::vector<std::optional<Page>> lookup(const std::vector<PageKey>& keys);
     uint8_t* base() const { return base_; }
+    // Mirror the index (and the leases) into `directory` from now on, for same-host readers.
+    // Call before the first page is committed.
+    void attach_directory(std::shared_ptr<PageDirectory> directory);
 
     // -- leases (the worker's view, pushed by its lease cache) --
     void set_leases(const std::map<uint32_t, std::pair<uint64_t, double>>& held);
@@ -103,6 +107,7 @@ private:
         Page page;
         std::list<std::string>::iterator lru;
         std::multimap<double, std::string>::iterator expiry;
+        int64_t slot = -1;  // in the directory, or -1
     };
     void check_write(const PageWrite& w) const;
     uint64_t allocate_one(uint64_t size, bool evict);
@@ -123,6 +128,7 @@ private:
     std::mutex lease_mutex_;
     std::map<uint32_t, std::pair<uint64_t, double>> held_;  // shard -> (token, local deadline)
     LeaseFallback fallback_;
+    std::shared_ptr<PageDirectory> directory_;  // set once, before use
 };
 
 }  // namespace tc
