@@ -201,22 +201,22 @@ class Pages:
         """Store pages under their keys for `ttl_s` (a page put again is replaced)."""
         keys = list(pages)
         encoded = [_encode(pages[k]) for k in keys]
-        hashes = native.hash_buffers([e[2] for e in encoded])
         refs: list[PageRef | None] = [None] * len(keys)
 
         def put(lease: ShardLease, indexes: list[int]) -> None:
             table = self.table()
+            group = []
             for i in indexes:
                 shard = shard_of(keys[i], table.num_shards)
                 dtype, shape, view = encoded[i]
-                refs[i] = PageRef(
-                    keys[i], shard, table.lease(shard).token, hashes[i], dtype, shape, view.nbytes
-                )
-            group = [refs[i] for i in indexes]
+                token = table.lease(shard).token
+                group.append(PageRef(keys[i], shard, token, "", dtype, shape, view.nbytes))
+            views = [encoded[i][2] for i in indexes]
             conn = self._local(lease)
-            if conn is not None:
-                self._put_local(conn, group, [encoded[i][2] for i in indexes], ttl_s)
+            if conn is not None:  # hashed as it is copied into the home's pool
+                hashes = self._put_local(conn, group, views, ttl_s)
             else:
+                hashes = native.hash_buffers(views)
                 pages = [
                     pb.Page(
                         key=r.key,
@@ -224,13 +224,14 @@ class Pages:
                         token=r.token,
                         dtype=r.dtype,
                         shape=list(r.shape),
-                        data=bytes(encoded[i][2]),
-                        hash=r.hash,
+                        data=bytes(v),
+                        hash=h,
                     )
-                    for r, i in zip(group, indexes)
-                    if r is not None
+                    for r, v, h in zip(group, views, hashes)
                 ]
                 self._put_remote(lease, pages, ttl_s)
+            for i, r, h in zip(indexes, group, hashes):
+                refs[i] = replace(r, hash=h)
 
         self._each_home(keys, put)
         return [r for r in refs if r is not None]
@@ -248,23 +249,25 @@ class Pages:
 
     def _put_local(
         self, conn: PageConnection, refs: list, views: list[memoryview], ttl_s: float
-    ) -> None:
+    ) -> list[str]:
         """`_put_local_batch` in batches of at most a quarter of the home's pool (a connection
-        may hold half of it uncommitted)."""
+        may hold half of it uncommitted); returns the pages' hashes."""
         start, size = 0, 0
+        hashes: list[str] = []
         for end, view in enumerate(views):
             if size + view.nbytes > conn.arena_bytes // 4 and end > start:
-                self._put_local_batch(conn, refs[start:end], views[start:end], ttl_s)
+                hashes += self._put_local_batch(conn, refs[start:end], views[start:end], ttl_s)
                 start, size = end, 0
             size += view.nbytes
-        self._put_local_batch(conn, refs[start:], views[start:], ttl_s)
+        return hashes + self._put_local_batch(conn, refs[start:], views[start:], ttl_s)
 
     def _put_local_batch(
         self, conn: PageConnection, refs: list, views: list[memoryview], ttl_s: float
-    ) -> None:
-        """Write into regions of the home's pool, then commit. Regions come from the ones the
-        previous commit reserved for this connection (same sizes: KV pages are uniform), so a
-        steady stream of puts costs one round trip each; only the missing ones are allocated."""
+    ) -> list[str]:
+        """Write into regions of the home's pool (hashing each copy as it is made), then
+        commit; returns the hashes. Regions come from the ones the previous commit reserved
+        for this connection (same sizes: KV pages are uniform), so a steady stream of puts
+        costs one round trip each; only the missing ones are allocated."""
         sizes = [v.nbytes for v in views]
         with conn.spare_lock:
             reused = [conn.spare_pages[n].pop() if conn.spare_pages.get(n) else None for n in sizes]
@@ -283,16 +286,19 @@ class Pages:
                 reused[i] = offset
         offsets = [int(o) for o in reused if o is not None]
         arena = conn.arena()
-        native.copy_many([arena[o : o + n] for n, o in zip(sizes, offsets)], views)
+        hashes = native.copy_hash_many([arena[o : o + n] for n, o in zip(sizes, offsets)], views)
         # Reserve as much again for the next put, within a bound per connection.
         bound = min(MAX_SPARE_BYTES, conn.arena_bytes // 4)
         ahead = sizes if spare_bytes + sum(sizes) <= bound else []
         next_offsets = conn.commit(
-            ttl_s, [dict(r.to_json(), offset=off) for r, off in zip(refs, offsets)], ahead
+            ttl_s,
+            [dict(r.to_json(), offset=o, hash=h) for r, o, h in zip(refs, offsets, hashes)],
+            ahead,
         )
         with conn.spare_lock:
             for n, offset in zip(ahead, next_offsets):
                 conn.spare_pages.setdefault(n, []).append(offset)
+        return hashes
 
     def get_pages(
         self,
