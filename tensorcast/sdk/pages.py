@@ -231,7 +231,7 @@ class Pages:
                 ]
                 self._put_remote(lease, pages, ttl_s)
             for i, r, h in zip(indexes, group, hashes):
-                refs[i] = replace(r, hash=h)
+                refs[i] = PageRef(r.key, r.shard, r.token, h, r.dtype, r.shape, r.size_bytes)
 
         self._each_home(keys, put)
         return [r for r in refs if r is not None]
