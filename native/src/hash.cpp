@@ -10,6 +10,16 @@
 
 namespace tc {
 
+std::string hex(const Digest& digest) {
+    static const char* digits = "0123456789abcdef";
+    std::string out(2 * digest.size(), '0');
+    for (size_t i = 0; i < digest.size(); ++i) {
+        out[2 * i] = digits[digest[i] >> 4];
+        out[2 * i + 1] = digits[digest[i] & 15];
+    }
+    return out;
+}
+
 TreeHasher::TreeHasher(const std::vector<std::pair<const uint8_t*, size_t>>& buffers)
     : buffers_(buffers), record_offsets_(buffers.size() + 1, 0) {
     // One flat allocation of per-buffer records: the chunk digests followed by

@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "tensorcast/errors.h"
-#include "tensorcast/page_index.h"  // monotonic_s
+#include "tensorcast/hash.h"
 #include "xxh.h"
 
 namespace tc {
@@ -68,16 +68,6 @@ bool parse_hex(const std::string& hex, uint8_t out[16]) {
         out[i] = uint8_t(v);
     }
     return true;
-}
-
-std::string to_hex(const uint8_t in[16]) {
-    static const char* digits = "0123456789abcdef";
-    std::string out(32, '0');
-    for (size_t i = 0; i < 16; ++i) {
-        out[2 * i] = digits[in[i] >> 4];
-        out[2 * i + 1] = digits[in[i] & 15];
-    }
-    return out;
 }
 
 // Sequence-locked writes (one writer) and reads (any number, any process).
@@ -146,14 +136,14 @@ uint64_t PageDirectory::touch_offset() const {
 
 uint32_t PageDirectory::slots() const { return reinterpret_cast<const Header*>(base_)->slots; }
 
-int64_t PageDirectory::publish(const std::string& key, const DirectoryPage& page) {
+int64_t PageDirectory::publish(const Page& page) {
     uint8_t hash[16];
     if (page.shape.size() > kDirectoryMaxDims || page.dtype.size() >= kDirectoryDtypeBytes ||
         !parse_hex(page.hash, hash))
         return -1;
     const Header& header = *reinterpret_cast<const Header*>(base_);
     Slot* slots = reinterpret_cast<Slot*>(base_ + header.slots_offset);
-    const XXH128_hash_t h = key_hash(key);
+    const XXH128_hash_t h = key_hash(page.key);
     const uint32_t mask = header.slots - 1;
     for (uint32_t probe = 0; probe < kDirectoryProbes; ++probe) {
         const uint32_t index = uint32_t(h.low64 + probe) & mask;
@@ -277,7 +267,9 @@ std::optional<DirectoryReader::Hit> DirectoryReader::lookup(const std::string& k
         hit.size_bytes = s.size_bytes;
         hit.dtype.assign(s.dtype, strnlen(s.dtype, sizeof(s.dtype)));
         hit.shape.assign(s.shape, s.shape + s.ndim);
-        hit.hash = to_hex(s.hash);
+        Digest digest;
+        std::memcpy(digest.data(), s.hash, digest.size());
+        hit.hash = hex(digest);
         return hit;
     }
     return std::nullopt;

@@ -10,30 +10,7 @@
 namespace tc {
 namespace {
 
-std::string hex(const Digest& digest) {
-    static const char* digits = "0123456789abcdef";
-    std::string out(2 * digest.size(), '0');
-    for (size_t i = 0; i < digest.size(); ++i) {
-        out[2 * i] = digits[digest[i] >> 4];
-        out[2 * i + 1] = digits[digest[i] & 15];
-    }
-    return out;
-}
-
 std::string quoted(const std::string& key) { return "'" + key.substr(0, 80) + "'"; }
-
-DirectoryPage mirrored(const Page& page) {
-    DirectoryPage d;
-    d.shard = page.shard;
-    d.home = page.home;
-    d.offset = page.offset;
-    d.size_bytes = page.size_bytes;
-    d.expires_at = page.expires_at;
-    d.dtype = page.dtype;
-    d.shape = page.shape;
-    d.hash = page.hash;
-    return d;
-}
 
 }  // namespace
 
@@ -183,7 +160,7 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s, bool 
             page.home = home;
             lru_.push_back(w.key);
             const auto expiry = expiry_.emplace(page.expires_at, w.key);
-            const int64_t slot = directory_ ? directory_->publish(w.key, mirrored(page)) : -1;
+            const int64_t slot = directory_ ? directory_->publish(page) : -1;
             pages_.emplace(w.key, Entry{std::move(page), std::prev(lru_.end()), expiry, slot});
             bytes_ += w.size_bytes;
             home_count_ += home;

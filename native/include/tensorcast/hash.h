@@ -4,6 +4,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -13,6 +14,8 @@ constexpr size_t kTreeHashChunkBytes = 4194304;  // 4 MiB; part of the format
 constexpr unsigned kTreeHashVersion = 1;
 
 using Digest = std::array<uint8_t, 16>;  // canonical (big-endian) XXH128
+
+std::string hex(const Digest& digest);  // 32 lowercase hex digits
 
 // Digest = XXH3_128(canonical(chunk_0) .. canonical(chunk_n-1) || le64(size)).
 // The result never depends on `threads` (0 = hardware concurrency).

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensorcast/hash.h"
+#include "tensorcast/page.h"
 
 namespace tc {
 
@@ -27,17 +27,6 @@ constexpr uint32_t kDirectoryProbes = 16;     // slots an insert or a lookup loo
 constexpr size_t kDirectoryMaxDims = 6;
 constexpr uint32_t kDirectoryShards = 4096;   // leases published for shards below this
 constexpr size_t kDirectoryDtypeBytes = 8;    // dtype names up to 7 characters
-
-struct DirectoryPage {
-    uint32_t shard = 0;
-    bool home = false;
-    uint64_t offset = 0;
-    uint64_t size_bytes = 0;
-    double expires_at = 0;  // monotonic seconds (CLOCK_MONOTONIC: same host, same clock)
-    std::string dtype;
-    std::vector<int64_t> shape;
-    std::string hash;  // hex tree hash
-};
 
 // The worker's side: owns the shared memory (a memfd handed to callers).
 class PageDirectory {
@@ -52,8 +41,9 @@ public:
     uint64_t touch_offset() const;  // page aligned: [touch_offset, size_bytes) is writable
     uint32_t slots() const;
 
-    // The slot now describing `key`, or -1 when it cannot be published (the socket serves it).
-    int64_t publish(const std::string& key, const DirectoryPage& page);
+    // The slot now describing the page, or -1 when it cannot be published (the socket
+    // serves it).
+    int64_t publish(const Page& page);
     void unpublish(int64_t slot);
     // shard -> (token, monotonic deadline), as the worker's lease table holds them.
     void set_leases(const std::map<uint32_t, std::pair<uint64_t, double>>& held);

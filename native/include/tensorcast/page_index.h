@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tensorcast/arena.h"
+#include "tensorcast/page.h"
 #include "tensorcast/page_directory.h"
 
 namespace tc {
@@ -30,24 +31,6 @@ constexpr uint64_t kMaxPageBytes = 64ull << 20;
 constexpr size_t kMaxPageBatch = 4096;
 constexpr size_t kMaxPageKeyBytes = 512;
 constexpr double kMaxPageTtlS = 7 * 24 * 3600.0;
-
-double monotonic_s();  // CLOCK_MONOTONIC, the clock of Python's time.monotonic()
-
-struct PageWrite {
-    std::string key;
-    uint32_t shard = 0;
-    uint64_t token = 0;
-    std::string dtype;
-    std::vector<int64_t> shape;
-    uint64_t offset = 0;  // where its bytes were written in the pool
-    uint64_t size_bytes = 0;
-    std::string hash;  // hex tree hash the writer claims
-};
-
-struct Page : PageWrite {
-    double expires_at = 0;  // monotonic seconds
-    bool home = false;
-};
 
 struct PageKey {
     std::string key;
