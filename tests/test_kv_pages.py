@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import urllib.request
 
@@ -292,18 +293,23 @@ def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):
         pages.put_pages({same[0]: data[same[0]]}, ttl_s=60)
         lease = pages.table().lease(0)
         conn = pages._local(lease)
-        sent: list[int] = []
-        call = conn._call
-        conn._call = lambda op, body: (sent.append(op), call(op, body))[1]
+        ops = (page_client.ALLOC, page_client.COMMIT)
+        before = [conn.client.requests_sent(op) for op in ops]
         for key in same[1:]:
             pages.put_pages({key: data[key]}, ttl_s=60)
-        conn._call = call
-        assert sent == [page_client.COMMIT] * 3  # no ALLOC round trips
+        after = [conn.client.requests_sent(op) for op in ops]
+        assert [a - b for a, b in zip(after, before)] == [0, 3]  # no ALLOC round trips
         got = pages.get_pages(list(data))
         assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, data))
         used = pool_used(rt)
 
-        def forged(offset: int, size: int, token: int = lease.token, key: str = "kv/rt/evil"):
+        def forged(
+            offset: int,
+            size: int,
+            token: int = lease.token,
+            key: str = "kv/rt/evil",
+            digest: str | None = None,
+        ):
             blob = b"\x00" * size
             page = {
                 "key": key,
@@ -313,17 +319,17 @@ def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):
                 "shape": [size],
                 "offset": offset,
                 "size_bytes": size,
-                "hash": native.hash_buffer(blob),
+                "hash": digest or native.hash_buffer(blob),
             }
             return conn.commit(60, [page], [])
 
-        spare = conn.spare_pages[16384][-1]
+        spare = conn.spare()[16384][-1]
         with pytest.raises(tc.InvalidArgument, match="does not have the page's size"):
             forged(spare, 32768)  # claims twice its region's size
         # A region another connection owns (the other caller's reserved spare) is not ours.
         with cluster.connect() as other:
             other.pages().put_pages({same[0]: data[same[0]]}, ttl_s=60)
-            theirs = other.pages()._local(lease).spare_pages[16384][-1]
+            theirs = other.pages()._local(lease).spare()[16384][-1]
             with pytest.raises(tc.InvalidArgument, match="not this connection's"):
                 forged(theirs, 16384)
         (mine,) = conn.alloc([16384])
@@ -334,6 +340,19 @@ def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):
             forged(mine, 16384)
         assert pages.get_pages(["kv/rt/evil"]) == [None]
         assert pool_used(rt) == used
+        # The worker takes the hash as the writer claims it (the client hashed each page as
+        # it copied it in): bytes that do not match it read as absent, never as other bytes.
+        (mine,) = conn.alloc([16384])
+        with pytest.raises(tc.InvalidArgument, match="hex digits"):
+            forged(mine, 16384, key="kv/rt/liar", digest="not-a-hash")
+        (mine,) = conn.alloc([16384])
+        forged(mine, 16384, key="kv/rt/liar", digest="0" * 32)
+        assert pages.get_pages(["kv/rt/liar"]) == [None]
+        # What the wire cannot carry is refused before any region is taken.
+        spare = conn.spare()
+        with pytest.raises(tc.InvalidArgument, match="page limits"):
+            pages.put_pages({"k" * 600: torch.ones(4)})
+        assert conn.spare() == spare
 
 
 def test_native_page_socket_survives_malformed_frames(cluster):
@@ -372,19 +391,22 @@ def test_native_page_socket_survives_malformed_frames(cluster):
             return out
 
         def error(body: bytes) -> tuple[str, str]:
-            r = page_client._Reader(body)
-            kind = r.str()
-            (n,) = r.take(page_client._U32)
-            return kind, bytes(r.data[r.at : r.at + n]).decode()
+            (n,) = struct.unpack_from("<H", body)
+            kind = body[2 : 2 + n].decode()
+            (size,) = struct.unpack_from("<I", body, 2 + n)
+            return kind, body[6 + n : 6 + n + size].decode()
+
+        def text(s: str) -> bytes:
+            return struct.pack("<H", len(s)) + s.encode()
 
         def frame(op: int, body: bytes, version: int = 1, size: int | None = None) -> bytes:
             return header.pack(version, op, 0, len(body) if size is None else size) + body
 
-        good = frame(page_client.HELLO, page_client._str(cluster.token))
-        get = page_client._keys([("kv/native/keep", 0, 0)])
+        good = frame(page_client.HELLO, text(cluster.token))
+        get = struct.pack("<I", 1) + text("kv/native/keep") + struct.pack("<IQ", 0, 0)
         cases = {
             "no hello": (frame(page_client.GET, get), "Unauthenticated"),
-            "wrong token": (frame(page_client.HELLO, page_client._str("nope")), "Unauthenticated"),
+            "wrong token": (frame(page_client.HELLO, text("nope")), "Unauthenticated"),
             "bad version": (good + frame(page_client.GET, get, version=9), "InvalidArgument"),
             "unknown op": (good + frame(77, b""), "InvalidArgument"),
             "oversized": (good + frame(page_client.GET, b"", size=1 << 30), "InvalidArgument"),
@@ -421,9 +443,11 @@ def test_a_broken_page_connection_is_replaced(cluster):
         pages.put_pages({key: torch.ones(4096)}, ttl_s=60)
         lease = pages.table().lease(shard_of(key, pages.table().num_shards))
         old = pages._local(lease)
-        assert old.spare_pages  # the commit reserved regions for the next put
+        assert old.spare()  # the commit reserved regions for the next put
         used = pool_used(rt)
-        old.sock.close()
+        # The socket fails under the client (as when the worker's end goes away).
+        with socket.socket(fileno=os.dup(old.client.fileno)) as s:
+            s.shutdown(socket.SHUT_RDWR)
         pages.put_pages({key: torch.full((4096,), 2.0)}, ttl_s=60)
         new = pages._local(lease)
         assert new is not old and old.broken and not new.broken

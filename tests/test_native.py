@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tensorcast as tc
 from tensorcast.errors import InvalidArgument
 from tensorcast.transport import native
 
@@ -213,13 +214,31 @@ def test_page_server_answers_random_frames_and_loses_nothing(bodies, version, op
             time.sleep(0.01)
         assert pool.arena.used_bytes == used
         (found,) = conn.get([("keep", 0, 1)])
-        assert found is not None and found["hash"] == page["hash"]
-        assert bytes(pool.view[found["offset"] : found["offset"] + 4096]) == b"\x07" * 4096
+        assert found is not None and found[4] == page["hash"]
+        assert bytes(pool.view[found[0] : found[0] + 4096]) == b"\x07" * 4096
         conn.close()
     finally:
         server.stop()
         store.close()
         pool.close()
+
+
+def test_a_silent_page_server_times_out_as_unavailable():
+    """A page socket that accepts but never answers: the caller's request fails within its
+    timeout as Unavailable (bounded wait), and the connection is marked broken."""
+    import socket
+
+    from tensorcast.sdk.page_client import PageConnection
+    from tensorcast.transport.unix import page_socket_name, socket_address
+
+    name = f"silent-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(socket_address(page_socket_name(name)))
+        listener.listen(1)
+        started = time.monotonic()
+        with pytest.raises(tc.Unavailable, match="page connection failed"):
+            PageConnection(name, lambda: memoryview(bytearray(4096)), "tok", 0.3)
+        assert 0.25 < time.monotonic() - started < 5
 
 
 def test_a_page_overwritten_while_read_reads_as_absent():

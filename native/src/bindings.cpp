@@ -19,6 +19,7 @@
 #include "tensorcast/copy.h"
 #include "tensorcast/file_read.h"
 #include "tensorcast/hash.h"
+#include "tensorcast/page_client.h"
 #include "tensorcast/page_directory.h"
 #include "tensorcast/page_index.h"
 #include "tensorcast/page_server.h"
@@ -106,6 +107,14 @@ using PyPage = std::tuple<std::string, uint32_t, uint64_t, std::string, std::vec
                           uint64_t, uint64_t, std::string, double, bool>;
 using PyPageWrite = std::tuple<std::string, uint32_t, uint64_t, std::string, std::vector<int64_t>,
                                uint64_t, uint64_t, std::string>;
+
+std::vector<tc::PageKey> page_keys(
+    const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
+    std::vector<tc::PageKey> out;
+    out.reserve(keys.size());
+    for (const auto& [key, shard, token] : keys) out.push_back({key, shard, token});
+    return out;
+}
 
 PyPage to_py(const tc::Page& p) {
     return {p.key, p.shard, p.token, p.dtype, p.shape, p.offset, p.size_bytes, p.hash,
@@ -489,16 +498,17 @@ NB_MODULE(_native, m) {
                              n.hash) = w;
                     native.push_back(std::move(n));
                 }
+                tc::CommitOptions options;
+                options.home = home;
+                options.if_absent = if_absent;
                 nb::gil_scoped_release release;
-                p.index().commit(native, ttl_s, home, if_absent);
+                p.index().commit(native, ttl_s, options);
             },
             nb::arg("writes"), nb::arg("ttl_s"), nb::arg("home"), nb::arg("if_absent") = false)
         .def(
             "lookup",
             [](PyPageIndex& p, const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
-                std::vector<tc::PageKey> native;
-                native.reserve(keys.size());
-                for (const auto& [key, shard, token] : keys) native.push_back({key, shard, token});
+                const auto native = page_keys(keys);
                 std::vector<std::optional<tc::Page>> found;
                 {
                     nb::gil_scoped_release release;
@@ -598,6 +608,100 @@ NB_MODULE(_native, m) {
             nb::arg("keys"),
             "Per (key, shard, token): (offset, size_bytes, dtype, shape, hash) of a live page, "
             "or None (then ask the worker).");
+
+    nb::class_<tc::PageClient>(m, "PageClient",
+                               "A caller's end of a worker's page socket (see page_client.h). "
+                               "Thread-safe; the GIL is released while it talks to the worker.")
+        .def(nb::init<int, int>(), nb::arg("fd"), nb::arg("timeout_ms"),
+             "Takes ownership of `fd`, a connected page socket.")
+        .def("hello", &tc::PageClient::hello, nb::arg("token"),
+             nb::call_guard<nb::gil_scoped_release>(), "Authenticate; returns the pool's size.")
+        .def("alloc", &tc::PageClient::alloc, nb::arg("sizes"),
+             nb::call_guard<nb::gil_scoped_release>())
+        .def(
+            "commit",
+            [](tc::PageClient& c, double ttl_s, const std::vector<PyPageWrite>& pages,
+               const std::vector<uint64_t>& ahead) {
+                std::vector<tc::PageWrite> writes(pages.size());
+                for (size_t i = 0; i < pages.size(); ++i) {
+                    tc::PageWrite& n = writes[i];
+                    std::tie(n.key, n.shard, n.token, n.dtype, n.shape, n.offset, n.size_bytes,
+                             n.hash) = pages[i];
+                }
+                nb::gil_scoped_release release;
+                return c.commit(ttl_s, writes, ahead);
+            },
+            nb::arg("ttl_s"), nb::arg("pages"), nb::arg("ahead"),
+            "Index pages (key, shard, token, dtype, shape, offset, size_bytes, hash) written at "
+            "their offsets; returns regions reserved for the next put (sizes `ahead`).")
+        .def(
+            "get",
+            [](tc::PageClient& c,
+               const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
+                std::vector<std::optional<tc::PageWrite>> found;
+                {
+                    const auto native = page_keys(keys);
+                    nb::gil_scoped_release release;
+                    found = c.get(native);
+                }
+                nb::list out;
+                for (const auto& page : found) {
+                    if (!page) {
+                        out.append(nb::none());
+                        continue;
+                    }
+                    nb::list shape;
+                    for (int64_t d : page->shape) shape.append(d);
+                    out.append(nb::make_tuple(page->offset, page->size_bytes, page->dtype,
+                                              nb::tuple(shape), page->hash));
+                }
+                return out;
+            },
+            nb::arg("keys"),
+            "Per (key, shard, token): (offset, size_bytes, dtype, shape, hash), or None.")
+        .def(
+            "exists",
+            [](tc::PageClient& c,
+               const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
+                const auto native = page_keys(keys);
+                nb::gil_scoped_release release;
+                return c.exists(native);
+            },
+            nb::arg("keys"))
+        .def(
+            "put",
+            [](tc::PageClient& c, nb::handle pool, double ttl_s, nb::sequence pages,
+               nb::sequence sources) {
+                using Meta = std::tuple<std::string, uint32_t, uint64_t, std::string,
+                                        std::vector<int64_t>>;
+                const size_t count = nb::len(pages);
+                if (nb::len(sources) != count)
+                    throw nb::value_error("put: pages and sources differ in length");
+                const BufferView pool_view(pool, "pool", true);
+                std::vector<BufferView> views;
+                std::vector<tc::PagePut> puts(count);
+                views.reserve(count);
+                for (size_t i = 0; i < count; ++i) {
+                    tc::PagePut& p = puts[i];
+                    std::tie(p.key, p.shard, p.token, p.dtype, p.shape) =
+                        nb::cast<Meta>(pages[i]);
+                    views.emplace_back(sources[i], "each source", false);
+                    p.data = views.back().data();
+                    p.size_bytes = views.back().size_bytes();
+                }
+                nb::gil_scoped_release release;
+                return c.put(pool_view.data(), pool_view.size_bytes(), ttl_s, puts);
+            },
+            nb::arg("pool"), nb::arg("ttl_s"), nb::arg("pages"), nb::arg("sources"),
+            "Copy each source into the pool (hashing it as it goes) and commit the pages "
+            "(key, shard, token, dtype, shape); returns their hashes.")
+        .def("hung_up", &tc::PageClient::hung_up, nb::call_guard<nb::gil_scoped_release>(),
+             "True when the worker closed its end (then the client is broken).")
+        .def_prop_ro("broken", &tc::PageClient::broken)
+        .def_prop_ro("fileno", &tc::PageClient::fd)
+        .def("spare", &tc::PageClient::spare, "Regions reserved for the next puts: size -> offsets.")
+        .def("requests_sent", &tc::PageClient::requests_sent, nb::arg("op"))
+        .def("close", &tc::PageClient::close, nb::call_guard<nb::gil_scoped_release>());
 
     nb::class_<tc::PageServer>(m, "PageServer",
                                "Serves same-host page requests natively (see page_server.h).")

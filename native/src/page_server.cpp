@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "net.h"
+#include "page_wire.h"
 #include "tensorcast/errors.h"
 
 namespace tc {
@@ -20,95 +21,14 @@ namespace {
 
 using net::Clock;
 
-enum Op : uint8_t { kHello = 1, kAlloc = 2, kCommit = 3, kGet = 4, kExists = 5 };
-constexpr size_t kHeaderBytes = 8;
+using page_wire::Reader;
+using page_wire::Writer;
+constexpr size_t kHeaderBytes = page_wire::kHeaderBytes;
 constexpr int kBodyStallMs = 10000;  // a request's body must keep arriving
 constexpr uint32_t kMaxErrorBytes = 4096;
 // Engines send page requests back to back: after each reply, watch for the next request this
 // long before sleeping (at most this much CPU per burst; halves a single page's round trip).
 constexpr int kSpinUs = 100;
-
-StatusError malformed(const std::string& what) {
-    return StatusError("InvalidArgument", "malformed page request: " + what);
-}
-
-// Bounds-checked little-endian reads from a request body.
-class Reader {
-public:
-    Reader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
-
-    template <typename T>
-    T number() {
-        need(sizeof(T));
-        T value;
-        std::memcpy(&value, data_ + at_, sizeof(T));
-        at_ += sizeof(T);
-        return value;
-    }
-    std::string str() {
-        const uint16_t n = number<uint16_t>();
-        need(n);
-        std::string out(reinterpret_cast<const char*>(data_ + at_), n);
-        at_ += n;
-        return out;
-    }
-    std::vector<int64_t> shape() {
-        const uint8_t ndim = number<uint8_t>();
-        std::vector<int64_t> out(ndim);
-        for (auto& d : out) d = number<int64_t>();
-        return out;
-    }
-    uint32_t count(size_t limit, size_t min_item_bytes) {
-        const uint32_t n = number<uint32_t>();
-        if (n > limit) throw StatusError("InvalidArgument", "batch of " + std::to_string(n) +
-                                                                " items, the limit is " +
-                                                                std::to_string(limit));
-        need(size_t(n) * min_item_bytes);  // cheap guard before reserving anything
-        return n;
-    }
-    void end() const {
-        if (at_ != size_) throw malformed(std::to_string(size_ - at_) + " trailing bytes");
-    }
-
-private:
-    void need(size_t n) const {
-        if (n > size_ - at_) throw malformed("body ends early");
-    }
-    const uint8_t* data_;
-    size_t size_;
-    size_t at_ = 0;
-};
-
-class Writer {
-public:
-    template <typename T>
-    void number(T value) {
-        const size_t at = out.size();
-        out.resize(at + sizeof(T));
-        std::memcpy(out.data() + at, &value, sizeof(T));
-    }
-    void str(const std::string& s) {
-        const uint16_t n = uint16_t(std::min<size_t>(s.size(), 0xffff));
-        number(n);
-        out.insert(out.end(), s.begin(), s.begin() + n);
-    }
-    void shape(const std::vector<int64_t>& dims) {
-        number(uint8_t(dims.size()));
-        for (int64_t d : dims) number(d);
-    }
-    std::vector<uint8_t> out;
-};
-
-std::vector<PageKey> read_keys(Reader& in) {
-    std::vector<PageKey> keys(in.count(kMaxPageBatch, 14));
-    for (auto& k : keys) {
-        k.key = in.str();
-        k.shard = in.number<uint32_t>();
-        k.token = in.number<uint64_t>();
-    }
-    in.end();
-    return keys;
-}
 
 std::vector<std::pair<uint32_t, uint64_t>> named_leases(const std::vector<PageKey>& keys) {
     std::set<std::pair<uint32_t, uint64_t>> named;
@@ -302,6 +222,7 @@ void PageServer::Impl::serve(Connection& c) {
 
 void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8_t>& body,
                               Writer& out) {
+    using namespace page_wire;
     Reader in(body.data(), body.size());
     if (op == kHello) {
         const std::string given = in.str();
@@ -315,8 +236,7 @@ void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8
     if (!c.authenticated) throw StatusError("Unauthenticated", "say HELLO with the token first");
     switch (op) {
         case kAlloc: {
-            std::vector<uint64_t> sizes(in.count(kMaxPageBatch, 8));
-            for (auto& n : sizes) n = in.number<uint64_t>();
+            const std::vector<uint64_t> sizes = read_offsets(in);
             in.end();
             // Bounded per connection: one caller cannot hold most of the pool uncommitted
             // (allocating evicts other callers' pages to make room).
@@ -335,11 +255,8 @@ void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8
                                       std::to_string(arena_bytes / 2) +
                                       " bytes (half the pool): commit pages first");
             const auto offsets = index->allocate(sizes, true);
-            out.number(uint32_t(offsets.size()));
-            for (size_t i = 0; i < offsets.size(); ++i) {
-                c.regions[offsets[i]] = sizes[i];
-                out.number(offsets[i]);
-            }
+            for (size_t i = 0; i < offsets.size(); ++i) c.regions[offsets[i]] = sizes[i];
+            write_offsets(out, offsets);
             return;
         }
         case kCommit:
@@ -369,19 +286,9 @@ void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8
 
 void PageServer::Impl::commit(Connection& c, Reader& in, Writer& out) {
     const double ttl_s = in.number<double>();
-    std::vector<PageWrite> writes(in.count(kMaxPageBatch, 40));
-    for (auto& w : writes) {
-        w.key = in.str();
-        w.shard = in.number<uint32_t>();
-        w.token = in.number<uint64_t>();
-        w.dtype = in.str();
-        w.shape = in.shape();
-        w.offset = in.number<uint64_t>();
-        w.size_bytes = in.number<uint64_t>();
-        w.hash = in.str();
-    }
-    std::vector<uint64_t> ahead(in.count(kMaxPageBatch, 8));
-    for (auto& n : ahead) n = in.number<uint64_t>();
+    std::vector<PageWrite> writes(in.count(kMaxPageBatch, page_wire::kMinWriteBytes));
+    for (auto& w : writes) w = page_wire::read_page(in);
+    const std::vector<uint64_t> ahead = page_wire::read_offsets(in);
     in.end();
     // Only regions this connection allocated, each named once, with the page's size.
     std::set<uint64_t> named;
@@ -402,7 +309,11 @@ void PageServer::Impl::commit(Connection& c, Reader& in, Writer& out) {
         index->free({named.begin(), named.end()});
         throw;
     }
-    index->commit(writes, ttl_s, true, false);  // frees the regions itself on error
+    // The writer hashed each page as it copied it in; the worker does not hash it again
+    // (architecture.md decision 37): every reader checks the bytes it copies against it.
+    CommitOptions options;
+    options.check_hashes = false;
+    index->commit(writes, ttl_s, options);  // frees the regions itself on error
     // Reserve as much again for the caller's next put, within a bound per connection; best
     // effort: a full pool reserves nothing and the next put allocates as usual.
     uint64_t spare = 0, wanted = 0;
@@ -415,11 +326,8 @@ void PageServer::Impl::commit(Connection& c, Reader& in, Writer& out) {
         } catch (const StatusError&) {
         }
     }
-    out.number(uint32_t(offsets.size()));
-    for (size_t i = 0; i < offsets.size(); ++i) {
-        c.regions[offsets[i]] = ahead[i];
-        out.number(offsets[i]);
-    }
+    for (size_t i = 0; i < offsets.size(); ++i) c.regions[offsets[i]] = ahead[i];
+    page_wire::write_offsets(out, offsets);
 }
 
 }  // namespace tc

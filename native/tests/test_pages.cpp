@@ -15,6 +15,11 @@
 
 namespace {
 
+const tc::CommitOptions kHome{};                       // homed here, hashes checked
+const tc::CommitOptions kCached{false, false, true};   // a cached copy (token 0)
+const tc::CommitOptions kHomeIfAbsent{true, true, true};
+const tc::CommitOptions kTrusted{true, false, false};  // the writer hashed it as it copied
+
 // The kind of StatusError `fn` throws, or "" when it throws none.
 template <typename Fn>
 std::string error_kind(Fn&& fn) {
@@ -85,27 +90,47 @@ void test_commit_checks_everything_and_is_all_or_nothing() {
     auto good = f.write("a", 4096, 1);
     auto bad_hash = f.write("b", 4096, 2);
     bad_hash.hash = std::string(32, '0');
-    CHECK(error_kind([&] { f.index.commit({good, bad_hash}, 60, true, false); }) ==
+    CHECK(error_kind([&] { f.index.commit({good, bad_hash}, 60, kHome); }) ==
           "IntegrityError");
     CHECK(f.arena->used_bytes() == before);  // both regions given back
     CHECK(f.index.stats().pages == 0);
 
     auto shape = f.write("c", 4096, 3);
     shape.shape = {4097};
-    CHECK(error_kind([&] { f.index.commit({shape}, 60, true, false); }) == "InvalidArgument");
+    CHECK(error_kind([&] { f.index.commit({shape}, 60, kHome); }) == "InvalidArgument");
     auto dtype = f.write("d", 4096, 3);
     dtype.dtype = "X9";
-    CHECK(error_kind([&] { f.index.commit({dtype}, 60, true, false); }) == "InvalidArgument");
+    CHECK(error_kind([&] { f.index.commit({dtype}, 60, kHome); }) == "InvalidArgument");
     auto key = f.write(std::string("bad\nkey"), 4096, 3);
-    CHECK(error_kind([&] { f.index.commit({key}, 60, true, false); }) == "InvalidArgument");
+    CHECK(error_kind([&] { f.index.commit({key}, 60, kHome); }) == "InvalidArgument");
     auto ttl = f.write("e", 4096, 3);
-    CHECK(error_kind([&] { f.index.commit({ttl}, 0, true, false); }) == "InvalidArgument");
+    CHECK(error_kind([&] { f.index.commit({ttl}, 0, kHome); }) == "InvalidArgument");
     CHECK(f.arena->used_bytes() == before && f.index.stats().pages == 0);
+
+    auto bad_digits = f.write("g", 4096, 4);
+    bad_digits.hash = std::string(31, '0') + "X";
+    CHECK(error_kind([&] { f.index.commit({bad_digits}, 60, kTrusted); }) == "InvalidArgument");
+    CHECK(f.arena->used_bytes() == before && f.index.stats().pages == 0);
+    // Without the hash check the writer's claim is recorded as is (a reader that copies the
+    // page checks its bytes against it); every other check still applies.
+    auto claimed = f.write("h", 4096, 5);
+    const std::string real = claimed.hash;
+    claimed.hash = std::string(32, '0');
+    auto wrong_size = f.write("i", 4096, 6);
+    wrong_size.size_bytes = 4000;
+    CHECK(error_kind([&] { f.index.commit({claimed, wrong_size}, 60, kTrusted); }) ==
+          "InvalidArgument");
+    CHECK(f.arena->used_bytes() == before && f.index.stats().pages == 0);
+    claimed = f.write("h", 4096, 5);
+    claimed.hash = std::string(32, '0');
+    f.index.commit({claimed}, 60, kTrusted);
+    const auto trusted = f.index.lookup({{"h", 0, 1}});
+    CHECK(trusted[0] && trusted[0]->hash == std::string(32, '0') && real != trusted[0]->hash);
 
     auto ok = f.write("f", 8, 7);
     ok.dtype = "F32";
     ok.shape = {2};
-    f.index.commit({ok}, 60, true, false);
+    f.index.commit({ok}, 60, kHome);
     const auto found = f.index.lookup({{"f", 0, 1}, {"f", 3, 1}, {"f", 0, 0}, {"zz", 0, 0}});
     CHECK(found[0] && found[0]->hash == ok.hash && found[0]->shape == std::vector<int64_t>{2});
     CHECK(!found[1]);  // homed under another shard
@@ -115,26 +140,26 @@ void test_commit_checks_everything_and_is_all_or_nothing() {
 
 void test_replacing_if_absent_lru_eviction_and_expiry() {
     Fixture f;
-    f.index.commit({f.write("k", 4096, 1)}, 60, true, false);
+    f.index.commit({f.write("k", 4096, 1)}, 60, kHome);
     auto again = f.write("k", 4096, 2);
-    f.index.commit({again}, 60, true, true);  // if_absent: the live page stays
+    f.index.commit({again}, 60, kHomeIfAbsent);  // if_absent: the live page stays
     CHECK(f.index.lookup({{"k", 0, 0}})[0]->hash != again.hash);
     CHECK(f.index.stats().pages == 1 && f.arena->used_bytes() == 4096);
-    f.index.commit({f.write("k", 4096, 2)}, 60, true, false);  // replaced
+    f.index.commit({f.write("k", 4096, 2)}, 60, kHome);  // replaced
     CHECK(f.index.lookup({{"k", 0, 0}})[0]->hash == again.hash);
     CHECK(f.arena->used_bytes() == 4096);
 
     // Fill the 64-page arena with 16-page pages: the least recently used goes first.
     for (int i = 0; i < 3; ++i)
-        f.index.commit({f.write("big" + std::to_string(i), 16 * 4096, 9)}, 60, true, false);
+        f.index.commit({f.write("big" + std::to_string(i), 16 * 4096, 9)}, 60, kHome);
     f.index.lookup({{"k", 0, 0}});  // touch: now the most recently used
-    f.index.commit({f.write("big3", 16 * 4096, 9)}, 60, true, false);
+    f.index.commit({f.write("big3", 16 * 4096, 9)}, 60, kHome);
     CHECK(!f.index.lookup({{"big0", 0, 0}})[0]);
     CHECK(f.index.lookup({{"k", 0, 0}})[0] && f.index.lookup({{"big3", 0, 0}})[0]);
     CHECK(error_kind([&] { f.index.allocate({65 * 4096}, true); }) == "ResourceExhausted");
 
-    f.index.commit({f.write("short", 4096, 4)}, 1e-3, true, false);
-    f.index.commit({f.write("copy", 4096, 5)}, 2e-3, false, false);  // a cached copy
+    f.index.commit({f.write("short", 4096, 4)}, 1e-3, kHome);
+    f.index.commit({f.write("copy", 4096, 5)}, 2e-3, kCached);  // a cached copy
     CHECK(f.index.stats().home_pages == 5 && f.index.stats().pages == 6);
     usleep(3000);
     CHECK(!f.index.lookup({{"short", 0, 0}})[0]);
@@ -172,7 +197,7 @@ void test_directory_mirrors_the_index() {
     CHECK(directory->slots() == 1024);
 
     auto a = f.write("a", 4096, 1, /*shard=*/3, /*token=*/7);
-    f.index.commit({a}, 60, true, false);
+    f.index.commit({a}, 60, kHome);
     CHECK(!reader.lookup("a", 3, 7));  // no lease shown yet: ask the worker
     f.index.set_leases({{3, {7, tc::monotonic_s() + 60}}});
     auto hit = reader.lookup("a", 3, 7);
@@ -183,33 +208,33 @@ void test_directory_mirrors_the_index() {
     CHECK(!reader.lookup("b", 0, 0));
 
     auto a2 = f.write("a", 4096, 2, 3, 7);  // replaced: the directory follows
-    f.index.commit({a2}, 60, true, false);
+    f.index.commit({a2}, 60, kHome);
     CHECK(reader.lookup("a", 3, 7)->hash == a2.hash);
     f.index.set_leases({});  // lease lost
     CHECK(!reader.lookup("a", 3, 7) && reader.lookup("a", 0, 0));
     f.index.drop_shards({3}, std::nullopt);
     CHECK(!reader.lookup("a", 0, 0));
 
-    f.index.commit({f.write("short", 4096, 4)}, 1e-3, false, false);
+    f.index.commit({f.write("short", 4096, 4)}, 1e-3, kCached);
     usleep(3000);
     CHECK(!reader.lookup("short", 0, 0));  // expired, though not yet removed
     f.index.expire();
 
     auto fat = f.write("fat", 4096, 5);  // more dimensions than a slot holds: socket only
     fat.shape = {1, 1, 1, 1, 1, 1, 4096};
-    f.index.commit({fat}, 60, false, false);
+    f.index.commit({fat}, 60, kCached);
     CHECK(!reader.lookup("fat", 0, 0) && f.index.lookup({{"fat", 0, 0}})[0]);
 
     // A page read only through the directory survives eviction over an untouched older one.
     f.index.drop_shards({0}, std::nullopt);
     f.index.expire();
-    f.index.commit({f.write("old", 16 * 4096, 6)}, 60, false, false);
-    f.index.commit({f.write("hot", 16 * 4096, 7)}, 60, false, false);
-    f.index.commit({f.write("mid", 16 * 4096, 8)}, 60, false, false);
+    f.index.commit({f.write("old", 16 * 4096, 6)}, 60, kCached);
+    f.index.commit({f.write("hot", 16 * 4096, 7)}, 60, kCached);
+    f.index.commit({f.write("mid", 16 * 4096, 8)}, 60, kCached);
     // LRU order: fat, old, hot, mid. Reading "old" through the directory saves it.
     CHECK(reader.lookup("old", 0, 0));
-    f.index.commit({f.write("new1", 16 * 4096, 9)}, 60, false, false);  // evicts fat
-    f.index.commit({f.write("new2", 16 * 4096, 9)}, 60, false, false);  // old: 2nd chance; hot
+    f.index.commit({f.write("new1", 16 * 4096, 9)}, 60, kCached);  // evicts fat
+    f.index.commit({f.write("new2", 16 * 4096, 9)}, 60, kCached);  // old: 2nd chance; hot
     CHECK(reader.lookup("old", 0, 0) && !reader.lookup("hot", 0, 0));
 
     // Concurrent replacement: a reader sees the old page or the new one, never a mix.
@@ -226,7 +251,7 @@ void test_directory_mirrors_the_index() {
         }
     });
     for (int i = 0; i < 2000; ++i)
-        f.index.commit({f.write("swap", 4096 * (1 + i % 2), uint8_t(i))}, 60, false, false);
+        f.index.commit({f.write("swap", 4096 * (1 + i % 2), uint8_t(i))}, 60, kCached);
     stop = true;
     reading.join();
     CHECK(torn == 0);

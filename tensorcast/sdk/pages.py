@@ -17,7 +17,7 @@ from tensorcast import errors
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import shard_table_from_pb
 from tensorcast.rpc.page_calls import get_all
-from tensorcast.sdk.page_client import PageConnection
+from tensorcast.sdk.page_client import PageConnection, Wanted
 from tensorcast.sharding import shard_of
 from tensorcast.transport import native
 from tensorcast.types import ShardLease, ShardTable
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Runtime
 
 MAX_REQUEST_BYTES = 48 * 1024 * 1024  # below the 64 MiB gRPC message limit
-MAX_SPARE_BYTES = 64 * 1024 * 1024  # regions reserved ahead per home connection (and <= 1/4 pool)
-# (the worker enforces the same bound: kMaxSpareBytes in native/include/tensorcast/page_server.h)
 PageValue = Any  # a CPU torch.Tensor or a bytes-like object
 
 
@@ -130,25 +128,34 @@ class Pages:
             )
         return lease
 
-    def _each_home(self, keys: Sequence[str], fn: Callable[[ShardLease, list[int]], None]) -> None:
-        """Run `fn(home lease, indexes of keys)` once per shard home. Groups that fail with a
-        fencing error or an unreachable home are retried once with a fresh lease table."""
+    def _each_home(
+        self, keys: Sequence[str], fn: Callable[[ShardLease, list[int], list[Wanted]], None]
+    ) -> None:
+        """Run `fn(home lease, indexes of keys, their (key, shard, token))` once per shard home
+        (in requests of at most MAX_PAGE_BATCH keys). Groups that fail with a fencing error or
+        an unreachable home are retried once with a fresh lease table."""
         pending = list(range(len(keys)))
+        shards: list[int] = []
+        num_shards = 0
         error: errors.TensorcastError | None = None
         for attempt in range(2):
             table = self.table(refresh=attempt > 0)
+            if table.num_shards != num_shards:
+                num_shards = table.num_shards
+                shards = [shard_of(k, num_shards) for k in keys]
             groups: dict[str, list[int]] = {}
             leases: dict[str, ShardLease] = {}
             for i in pending:
-                lease = self._home(shard_of(keys[i], table.num_shards), table)
+                lease = self._home(shards[i], table)
                 groups.setdefault(lease.holder_worker_id, []).append(i)
                 leases[lease.holder_worker_id] = lease
             failed: list[int] = []
             for home, indexes in groups.items():
                 for start in range(0, len(indexes), native.MAX_PAGE_BATCH):
                     chunk = indexes[start : start + native.MAX_PAGE_BATCH]
+                    wanted = [(keys[i], shards[i], table.leases[shards[i]].token) for i in chunk]
                     try:
-                        fn(leases[home], chunk)
+                        fn(leases[home], chunk, wanted)
                     except (errors.FencingError, errors.Unavailable) as e:
                         failed += chunk
                         error = e
@@ -203,35 +210,28 @@ class Pages:
         encoded = [_encode(pages[k]) for k in keys]
         refs: list[PageRef | None] = [None] * len(keys)
 
-        def put(lease: ShardLease, indexes: list[int]) -> None:
-            table = self.table()
-            group = []
-            for i in indexes:
-                shard = shard_of(keys[i], table.num_shards)
-                dtype, shape, view = encoded[i]
-                token = table.lease(shard).token
-                group.append(PageRef(keys[i], shard, token, "", dtype, shape, view.nbytes))
+        def put(lease: ShardLease, indexes: list[int], wanted: list[Wanted]) -> None:
+            metas = [(*w, *encoded[i][:2]) for i, w in zip(indexes, wanted)]
             views = [encoded[i][2] for i in indexes]
             conn = self._local(lease)
             if conn is not None:  # hashed as it is copied into the home's pool
-                hashes = self._put_local(conn, group, views, ttl_s)
+                hashes = conn.put(ttl_s, metas, views)
             else:
                 hashes = native.hash_buffers(views)
-                pages = [
-                    pb.Page(
-                        key=r.key,
-                        shard=r.shard,
-                        token=r.token,
-                        dtype=r.dtype,
-                        shape=list(r.shape),
-                        data=bytes(v),
-                        hash=h,
-                    )
-                    for r, v, h in zip(group, views, hashes)
-                ]
-                self._put_remote(lease, pages, ttl_s)
-            for i, r, h in zip(indexes, group, hashes):
-                refs[i] = PageRef(r.key, r.shard, r.token, h, r.dtype, r.shape, r.size_bytes)
+                self._put_remote(
+                    lease,
+                    [
+                        pb.Page(
+                            key=k, shard=s, token=t, dtype=d, shape=list(sh), data=bytes(v), hash=h
+                        )
+                        for (k, s, t, d, sh), v, h in zip(metas, views, hashes)
+                    ],
+                    ttl_s,
+                )
+            for i, (key, shard, token, dtype, shape), view, digest in zip(
+                indexes, metas, views, hashes
+            ):
+                refs[i] = PageRef(key, shard, token, digest, dtype, shape, view.nbytes)
 
         self._each_home(keys, put)
         return [r for r in refs if r is not None]
@@ -246,59 +246,6 @@ class Pages:
                 start, size = end, 0
             size += len(page.data)
         stub.call("PutPages", pb.PutPagesRequest(pages=pages[start:], ttl_s=ttl_s))
-
-    def _put_local(
-        self, conn: PageConnection, refs: list, views: list[memoryview], ttl_s: float
-    ) -> list[str]:
-        """`_put_local_batch` in batches of at most a quarter of the home's pool (a connection
-        may hold half of it uncommitted); returns the pages' hashes."""
-        start, size = 0, 0
-        hashes: list[str] = []
-        for end, view in enumerate(views):
-            if size + view.nbytes > conn.arena_bytes // 4 and end > start:
-                hashes += self._put_local_batch(conn, refs[start:end], views[start:end], ttl_s)
-                start, size = end, 0
-            size += view.nbytes
-        return hashes + self._put_local_batch(conn, refs[start:], views[start:], ttl_s)
-
-    def _put_local_batch(
-        self, conn: PageConnection, refs: list, views: list[memoryview], ttl_s: float
-    ) -> list[str]:
-        """Write into regions of the home's pool (hashing each copy as it is made), then
-        commit; returns the hashes. Regions come from the ones the previous commit reserved
-        for this connection (same sizes: KV pages are uniform), so a steady stream of puts
-        costs one round trip each; only the missing ones are allocated."""
-        sizes = [v.nbytes for v in views]
-        with conn.spare_lock:
-            reused = [conn.spare_pages[n].pop() if conn.spare_pages.get(n) else None for n in sizes]
-            spare_bytes = sum(n * len(v) for n, v in conn.spare_pages.items())
-        missing = [i for i, o in enumerate(reused) if o is None]
-        if missing:
-            try:
-                got = conn.alloc([sizes[i] for i in missing])
-            except BaseException:
-                with conn.spare_lock:  # still reserved for us: keep them for the next put
-                    for n, o in zip(sizes, reused):
-                        if o is not None:
-                            conn.spare_pages.setdefault(n, []).append(o)
-                raise
-            for i, offset in zip(missing, got):
-                reused[i] = offset
-        offsets = [int(o) for o in reused if o is not None]
-        arena = conn.arena()
-        hashes = native.copy_hash_many([arena[o : o + n] for n, o in zip(sizes, offsets)], views)
-        # Reserve as much again for the next put, within a bound per connection.
-        bound = min(MAX_SPARE_BYTES, conn.arena_bytes // 4)
-        ahead = sizes if spare_bytes + sum(sizes) <= bound else []
-        next_offsets = conn.commit(
-            ttl_s,
-            [dict(r.to_json(), offset=o, hash=h) for r, o, h in zip(refs, offsets, hashes)],
-            ahead,
-        )
-        with conn.spare_lock:
-            for n, offset in zip(ahead, next_offsets):
-                conn.spare_pages.setdefault(n, []).append(offset)
-        return hashes
 
     def get_pages(
         self,
@@ -330,8 +277,8 @@ class Pages:
         if not todo:
             return out
 
-        def get(lease: ShardLease, indexes: list[int]) -> None:
-            wanted = [(names[i], *self._token(names[i])) for i in indexes]
+        def get(lease: ShardLease, ix: list[int], wanted: list[Wanted]) -> None:
+            indexes = [todo[j] for j in ix]
             conn = self._local(lease)
             if conn is not None:
                 pages = self._get_local(conn, wanted, [into[i] for i in indexes] if into else None)
@@ -349,12 +296,7 @@ class Pages:
                     page = replace(page, data=dest)
                 out[i] = page
 
-        sub = [names[i] for i in todo]
-
-        def get_sub(lease: ShardLease, ix: list[int]) -> None:
-            get(lease, [todo[j] for j in ix])
-
-        self._each_home(sub, get_sub)
+        self._each_home([names[i] for i in todo], get)
         return out
 
     @staticmethod
@@ -369,10 +311,10 @@ class Pages:
             if info is None:
                 pages.append(None)
                 continue
-            off, size = info["offset"], info["size_bytes"]
+            off, size, dtype, shape, digest = info
             data = _buffer(into[i], size) if into is not None else bytearray(size)
             sources.append(arena[off : off + size])
-            pages.append(PageData(wanted[i][0], info["dtype"], info["shape"], data, info["hash"]))
+            pages.append(PageData(wanted[i][0], dtype, shape, data, digest))
         present = [p for p in pages if p is not None]
         hashes = native.copy_hash_many([p.data for p in present], sources)
         # A page evicted and its region reused while we copied reads as absent, never wrong.
@@ -382,8 +324,7 @@ class Pages:
     def exists_pages(self, keys: Sequence[str]) -> list[bool]:
         out = [False] * len(keys)
 
-        def exists(lease: ShardLease, indexes: list[int]) -> None:
-            wanted = [(keys[i], *self._token(keys[i])) for i in indexes]
+        def exists(lease: ShardLease, indexes: list[int], wanted: list[Wanted]) -> None:
             conn = self._local(lease)
             if conn is not None:
                 flags = conn.exists(wanted)

@@ -16,6 +16,7 @@ TREE_HASH_CHUNK_BYTES: int = _native.TREE_HASH_CHUNK_BYTES
 ArenaAllocator: Any = _native.ArenaAllocator
 PageIndex: Any = _native.PageIndex
 PageServer: Any = _native.PageServer
+PageClient: Any = _native.PageClient
 MAX_PAGE_BATCH: int = _native.MAX_PAGE_BATCH  # pages per page-index request
 PageDirectory: Any = _native.PageDirectory
 

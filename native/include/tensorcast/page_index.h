@@ -38,6 +38,14 @@ struct PageKey {
     uint64_t token = 0;  // 0: any copy; else the page must be homed here under `shard`
 };
 
+struct CommitOptions {
+    bool home = true;  // homed here under its shard's lease; else a cached copy (token 0)
+    bool if_absent = false;  // a live home page already under a key stays (the new copy is freed)
+    // Hash every region and refuse a page whose bytes do not match the writer's claim. Off only
+    // for a writer that hashed the bytes as it wrote them into the pool (same-host page puts).
+    bool check_hashes = true;
+};
+
 struct PageIndexStats {
     uint64_t pages = 0;
     uint64_t home_pages = 0;
@@ -61,10 +69,9 @@ public:
     // `evict` is false: then a full pool is ResourceExhausted). All or nothing.
     std::vector<uint64_t> allocate(const std::vector<uint64_t>& sizes, bool evict);
     void free(const std::vector<uint64_t>& offsets);
-    // Index written pages after checking them and their hashes. All or nothing: on any error
-    // every region of the batch is freed and the index is unchanged. With `if_absent` a live
-    // home page already under a key stays (the new copy is freed).
-    void commit(const std::vector<PageWrite>& writes, double ttl_s, bool home, bool if_absent);
+    // Index written pages after checking them (and, unless told not to, their hashes). All or
+    // nothing: on any error every region of the batch is freed and the index is unchanged.
+    void commit(const std::vector<PageWrite>& writes, double ttl_s, CommitOptions options);
 
     // -- reading --
     std::vector<std::optional<Page>> lookup(const std::vector<PageKey>& keys);

@@ -15,6 +15,9 @@
 //                                                         u64 size, str dtype, shape, str hash])
 //   EXISTS 5: as GET                                     -> u32 n, n x u8
 // An error reply's body is str kind (a tensorcast.errors class name) + u32 length + message.
+// A COMMIT's hash is the one the writer computed as it copied the page in (32 hex digits); the
+// worker records it without hashing the region again: readers check every copy against it.
+// The caller's end is tc::PageClient (page_client.h).
 // The first message must be HELLO with the cluster token. Regions a connection allocated and
 // has not committed are its own and are freed when it closes; it may hold at most 8192 of them
 // and half the pool's bytes (ResourceExhausted beyond).
