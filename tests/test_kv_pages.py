@@ -412,6 +412,11 @@ def test_native_page_socket_survives_malformed_frames(cluster):
             "oversized": (good + frame(page_client.GET, b"", size=1 << 30), "InvalidArgument"),
             "short body": (good + frame(page_client.GET, b"\x01\x00\x00\x00"), "InvalidArgument"),
             "huge batch": (good + frame(page_client.ALLOC, b"\xff" * 4), "InvalidArgument"),
+            "wake with a body": (good + frame(page_client.WAKE, b"x"), "InvalidArgument"),
+            "wake, then get": (
+                good + frame(page_client.WAKE, b"") + frame(page_client.GET, get),
+                None,  # WAKE is never answered: one reply, the GET's
+            ),
             "empty commit": (
                 good + frame(page_client.COMMIT, struct.pack("<dII", 60.0, 0, 0)),
                 None,  # well formed: fine, and the connection stays open

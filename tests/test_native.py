@@ -269,3 +269,52 @@ def test_a_page_overwritten_while_read_reads_as_absent():
         server.stop()
         store.close()
         pool.close()
+
+
+def _pmd_mapped_kib(mm) -> int:
+    """ShmemPmdMapped (KiB mapped with 2 MiB entries) of the mapping `mm`, from /proc/self/smaps."""
+    import ctypes
+
+    anchor = ctypes.c_char.from_buffer(mm)
+    start = ctypes.addressof(anchor)
+    del anchor
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo = int(head.split("-")[0], 16)
+                inside = lo <= start < int(head.split("-")[1], 16)
+            elif inside and head == "ShmemPmdMapped:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_the_pool_and_its_callers_map_huge_pages_where_the_host_allows(tmp_path):
+    """With shared-memory huge pages enabled (set here for the test as root, then restored),
+    the worker's pool and a caller's mapping of it are backed by 2 MiB pages; without, both
+    still map and populate the whole pool with 4 KiB pages."""
+    from tensorcast.transport import shm
+    from tensorcast.worker.pool import Pool
+
+    before = shm.shmem_huge_pages()
+    if before == "unknown":
+        pytest.skip("no /sys/kernel/mm/transparent_hugepage/shmem_enabled on this kernel")
+    try:
+        for policy in ("never", "advise"):
+            try:
+                shm.SHMEM_THP.write_text(policy)
+            except OSError as e:
+                pytest.skip(f"cannot set the shared-memory huge page policy ({e}); needs root")
+            pool = Pool(64 << 20)
+            try:
+                caller = shm.map_pool(pool.fd, pool.capacity_bytes)
+                caller[: 1 << 20] = b"\x05" * (1 << 20)
+                assert bytes(pool.view[(1 << 20) - 4 : (1 << 20) + 4]) == b"\x05" * 4 + b"\0" * 4
+                huge = [_pmd_mapped_kib(pool.mm), _pmd_mapped_kib(caller)]
+                assert huge == ([0, 0] if policy == "never" else [64 << 10, 64 << 10]), policy
+                caller.close()
+            finally:
+                pool.close()
+    finally:
+        shm.SHMEM_THP.write_text(before)

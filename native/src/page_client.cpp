@@ -26,6 +26,13 @@ constexpr uint32_t kMaxReplyBytes = 64u << 20;
 // watch for the reply this long (yielding the CPU) before sleeping.
 constexpr int kReplySpinUs = 100;
 constexpr size_t kMaxDtypeBytes = 64;
+// Before copying a put's pages the client wakes the worker's connection thread (WAKE, no
+// reply), unless the worker answered so recently that the thread still watches the socket: a
+// thread asleep takes tens of microseconds to wake on a busy or virtualized host, and this way
+// that overlaps the copy instead of following the COMMIT. Only for copies shorter than the
+// worker's watch (100 us): after a longer one the thread would be asleep again anyway.
+constexpr auto kWakeAfter = std::chrono::microseconds(50);
+constexpr uint64_t kWakeMaxBytes = 512 << 10;
 
 // Parses a reply with `parse`; a reply that does not parse breaks the connection.
 template <typename Parse>
@@ -94,6 +101,7 @@ std::vector<uint8_t> PageClient::call(uint8_t op, const std::vector<uint8_t>& bo
     if (io == net::Io::kOk) io = net::recv_all(fd_, reply.data(), reply_size, limits, &error);
     if (io != net::Io::kOk)
         throw fail(std::string("receive: ") + (error ? std::strerror(error) : net::io_name(io)));
+    last_reply_ = net::Clock::now();
     if (reply_header[1] != 0) {
         std::string kind, message;
         try {
@@ -244,6 +252,7 @@ std::vector<std::string> PageClient::put_batch(uint8_t* pool, uint64_t pool_byte
         for (auto& offset : offsets)
             if (offset == kNone) offset = got[next++];
     }
+    if (batch_bytes <= kWakeMaxBytes) wake();
     std::vector<CopyJob> jobs(count);
     for (size_t i = 0; i < count; ++i) {
         if (offsets[i] > pool_bytes || sizes[i] > pool_bytes - offsets[i]) {
@@ -275,6 +284,15 @@ std::vector<std::string> PageClient::put_batch(uint8_t* pool, uint64_t pool_byte
     std::lock_guard<std::mutex> lock(spare_mutex_);
     for (size_t i = 0; i < reserved.size(); ++i) spare_[ahead[i]].push_back(reserved[i]);
     return hashes;
+}
+
+void PageClient::wake() {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    if (broken_ || fd_ < 0 || net::Clock::now() - last_reply_ < kWakeAfter) return;
+    const uint8_t header[page_wire::kHeaderBytes] = {kPageProtocolVersion, page_wire::kWake};
+    // Best effort: a full socket buffer or a failure is the next request's to report.
+    [[maybe_unused]] const ssize_t n =
+        ::send(fd_, header, sizeof header, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
 bool PageClient::hung_up() {

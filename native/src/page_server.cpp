@@ -200,8 +200,11 @@ void PageServer::Impl::serve(Connection& c) {
             limits.wake_fd = wake.get();
             limits.stall_ms = kBodyStallMs;
             if (net::recv_all(fd, body.data(), size, limits, nullptr) != net::Io::kOk) return;
-            ++requests;
             keep = true;
+            // WAKE: a caller about to send a request (after copying a page) wakes this thread
+            // now, so the wake-up overlaps its copy. No reply.
+            if (header[1] == page_wire::kWake && size == 0) continue;
+            ++requests;
             Writer out;
             handle(c, header[1], body, out);
             reply = std::move(out.out);

@@ -12,7 +12,7 @@
 
 namespace tc::page_wire {
 
-enum Op : uint8_t { kHello = 1, kAlloc = 2, kCommit = 3, kGet = 4, kExists = 5 };
+enum Op : uint8_t { kHello = 1, kAlloc = 2, kCommit = 3, kGet = 4, kExists = 5, kWake = 6 };
 constexpr size_t kHeaderBytes = 8;
 constexpr size_t kMinKeyBytes = 14;    // str (2) + shard (4) + token (8)
 constexpr size_t kMinWriteBytes = 40;  // the fixed part of a commit's page

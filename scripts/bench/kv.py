@@ -254,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     report["ratios"] = _ratios(report)
     report["meta"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+    from tensorcast.transport.shm import shmem_huge_pages
+
+    # The pool asks for huge pages; the host decides (docs/operators.md).
+    report["meta"]["shmem_huge_pages"] = shmem_huge_pages()
     report["total_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(report))
     print(kb.human(report))

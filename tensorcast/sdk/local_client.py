@@ -15,7 +15,7 @@ import weakref
 from typing import Any
 
 from tensorcast import errors
-from tensorcast.transport import native, unix
+from tensorcast.transport import native, shm, unix
 from tensorcast.types import TensorMeta
 
 _PAGE = mmap.PAGESIZE
@@ -87,9 +87,8 @@ class LocalConnection:
         reads are verified by hash, since the worker may reuse a region after eviction."""
         with self._lock:
             if self._arena is None:
-                # Populated now: faulting 4 KiB pages in during every copy would halve its rate.
-                mm = mmap.mmap(self.fd, self.arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-                self._arena = memoryview(mm)
+                # Populated now: faulting pages in during every copy would halve its rate.
+                self._arena = memoryview(shm.map_pool(self.fd, self.arena_bytes))
             return self._arena
 
     def directory(self) -> Any:

@@ -17,7 +17,7 @@ from tensorcast import errors
 from tensorcast.transport import native, unix
 
 # Page socket operations (native/include/tensorcast/page_server.h), for requests_sent().
-HELLO, ALLOC, COMMIT, GET, EXISTS = 1, 2, 3, 4, 5
+HELLO, ALLOC, COMMIT, GET, EXISTS, WAKE = 1, 2, 3, 4, 5, 6
 
 Wanted = tuple[str, int, int]  # key, shard, token (0: any copy)
 # Where a page lies in the pool and what it is: offset, size_bytes, dtype, shape, hash.

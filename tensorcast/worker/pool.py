@@ -8,7 +8,6 @@ mappings of it stays allocated until the last hold is released, so their tensors
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import threading
 import time
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 
 from tensorcast.errors import IntegrityError, InvalidArgument, NotFound
 from tensorcast.identity import content_id as compute_content_id
-from tensorcast.transport import native
+from tensorcast.transport import native, shm
 from tensorcast.types import DTYPE_ITEMSIZE, TensorMeta, tensor_nbytes
 
 PAGE_BYTES = 4096  # pool regions are page aligned, so any caller can map one on its own
@@ -67,9 +66,9 @@ class Pool:
         self.capacity_bytes = capacity_bytes
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, capacity_bytes)
-        # MAP_POPULATE faults every page in now: writes into fresh pages run at a tenth of the
-        # speed of writes into touched ones, so never pay that on a hot path.
-        self.mm = mmap.mmap(self.fd, capacity_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        # Every page faulted in now: writes into fresh pages run at a tenth of the speed of
+        # writes into touched ones, so never pay that on a hot path.
+        self.mm = shm.map_pool(self.fd, capacity_bytes)
         self.view = memoryview(self.mm)
         # Shared with the native page index (KV pages), which allocates without the GIL.
         self.arena = native.ArenaAllocator(capacity_bytes)

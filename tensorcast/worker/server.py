@@ -17,7 +17,7 @@ from tensorcast.errors import InvalidArgument, ResourceExhausted
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
-from tensorcast.transport import native
+from tensorcast.transport import native, shm
 from tensorcast.transport.unix import page_socket_name, socket_address
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.local_server import LocalServer
@@ -160,11 +160,13 @@ def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     log.info(
-        "worker %s (%s) listening on %s, pool %d bytes, roles %s, store %s",
+        "worker %s (%s) listening on %s, pool %d bytes (shared-memory huge pages: %s), "
+        "roles %s, store %s",
         node.name,
         node.worker_id,
         node.addr,
         pool.capacity_bytes,
+        shm.shmem_huge_pages(),
         ",".join(roles),
         store_addr,
     )

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -66,6 +67,7 @@ public:
 
 private:
     std::vector<uint8_t> call(uint8_t op, const std::vector<uint8_t>& body);
+    void wake();  // WAKE the worker's thread unless it answered moments ago
     std::vector<std::string> put_batch(uint8_t* pool, uint64_t pool_bytes, double ttl_s,
                                        const PagePut* pages, size_t count);
 
@@ -75,6 +77,7 @@ private:
     mutable std::mutex spare_mutex_;  // copies run outside the call mutex
     std::map<uint64_t, std::vector<uint64_t>> spare_;
     std::atomic<bool> broken_{false};
+    std::chrono::steady_clock::time_point last_reply_{};  // under call_mutex_
     std::array<std::atomic<uint64_t>, 8> sent_{};
 };
 

@@ -14,6 +14,8 @@
 //   GET    4: u32 n, n x (str key, u32 shard, u64 token) -> u32 n, n x (u8 found [, u64 offset,
 //                                                         u64 size, str dtype, shape, str hash])
 //   EXISTS 5: as GET                                     -> u32 n, n x u8
+//   WAKE   6: empty body                                 -> no reply (the caller is about to
+//             send a request: the connection's thread wakes up meanwhile)
 // An error reply's body is str kind (a tensorcast.errors class name) + u32 length + message.
 // A COMMIT's hash is the one the writer computed as it copied the page in (32 hex digits); the
 // worker records it without hashing the region again: readers check every copy against it.
