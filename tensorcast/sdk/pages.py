@@ -277,32 +277,52 @@ class Pages:
         if not todo:
             return out
 
+        # Pages found on same-host homes, copied out of their pools together after every
+        # lookup (one parallel copy for the whole batch, not one per home).
+        located: list[tuple[int, PageData]] = []
+        sources: list[memoryview] = []
+
         def get(lease: ShardLease, ix: list[int], wanted: list[Wanted]) -> None:
             indexes = [todo[j] for j in ix]
             conn = self._local(lease)
             if conn is not None:
-                pages = self._get_local(conn, wanted, [into[i] for i in indexes] if into else None)
-            else:
-                got = get_all(
-                    self._stub(lease),
-                    [pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted],
-                    self.rt.timeout_s,
+                pages, regions = self._locate_local(
+                    conn, wanted, [into[i] for i in indexes] if into else None
                 )
-                pages = [_from_pb(p) for p in got]
-            for i, page in zip(indexes, pages):
-                if page is not None and into is not None and conn is None:
+                located.extend((i, p) for i, p in zip(indexes, pages) if p is not None)
+                sources.extend(regions)
+                return
+            got = get_all(
+                self._stub(lease),
+                [pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted],
+                self.rt.timeout_s,
+            )
+            for i, page in zip(indexes, (_from_pb(p) for p in got)):
+                if page is not None and into is not None:
                     dest = _buffer(into[i], len(page.data))
                     dest[:] = page.data
                     page = replace(page, data=dest)
                 out[i] = page
 
         self._each_home([names[i] for i in todo], get)
+        for (i, _), page in zip(located, _copy_checked([p for _, p in located], sources)):
+            out[i] = page
         return out
 
     @staticmethod
     def _get_local(
         conn: PageConnection, wanted: list[tuple[str, int, int]], into: Sequence[Any] | None = None
     ) -> list[PageData | None]:
+        pages, sources = Pages._locate_local(conn, wanted, into)
+        copied = iter(_copy_checked([p for p in pages if p is not None], sources))
+        return [None if p is None else next(copied) for p in pages]
+
+    @staticmethod
+    def _locate_local(
+        conn: PageConnection, wanted: list[tuple[str, int, int]], into: Sequence[Any] | None
+    ) -> tuple[list[PageData | None], list[memoryview]]:
+        """The pages a same-host worker holds (their buffers not filled yet), and the regions
+        of its pool to copy them from (one per page found)."""
         found = conn.get(wanted)
         arena = conn.arena()
         pages: list[PageData | None] = []
@@ -315,11 +335,7 @@ class Pages:
             data = _buffer(into[i], size) if into is not None else bytearray(size)
             sources.append(arena[off : off + size])
             pages.append(PageData(wanted[i][0], dtype, shape, data, digest))
-        present = [p for p in pages if p is not None]
-        hashes = native.copy_hash_many([p.data for p in present], sources)
-        # A page evicted and its region reused while we copied reads as absent, never wrong.
-        damaged = {id(p) for p, h in zip(present, hashes) if h != p.hash}
-        return [None if p is None or id(p) in damaged else p for p in pages]
+        return pages, sources
 
     def exists_pages(self, keys: Sequence[str]) -> list[bool]:
         out = [False] * len(keys)
@@ -354,6 +370,13 @@ def _buffer(target: Any, size: int) -> Any:
             f"a {size}-byte page does not fit its {view.nbytes}-byte buffer"
         )
     return view[:size]
+
+
+def _copy_checked(pages: list[PageData], sources: list[memoryview]) -> list[PageData | None]:
+    """Copy each source into its page's buffer, hashing it as it goes. A page evicted and its
+    region reused while it was copied reads as absent (None), never as other bytes."""
+    hashes = native.copy_hash_many([p.data for p in pages], sources)
+    return [p if h == p.hash else None for p, h in zip(pages, hashes)]
 
 
 def _from_pb(p: pb.Page) -> PageData | None:
