@@ -116,6 +116,27 @@ std::vector<tc::PageKey> page_keys(
     return out;
 }
 
+std::vector<tc::PageWrite> page_writes(const std::vector<PyPageWrite>& writes) {
+    std::vector<tc::PageWrite> out(writes.size());
+    for (size_t i = 0; i < writes.size(); ++i) {
+        tc::PageWrite& n = out[i];
+        std::tie(n.key, n.shard, n.token, n.dtype, n.shape, n.offset, n.size_bytes, n.hash) =
+            writes[i];
+    }
+    return out;
+}
+
+// Where a page lies and what it is, as Python sees it: (offset, size_bytes, dtype, shape,
+// hash), or None. `Found` is a directory hit or a page the worker described.
+template <typename Found>
+nb::object found_to_py(const std::optional<Found>& page) {
+    if (!page) return nb::none();
+    nb::list shape;
+    for (int64_t d : page->shape) shape.append(d);
+    return nb::make_tuple(page->offset, page->size_bytes, page->dtype, nb::tuple(shape),
+                          page->hash);
+}
+
 PyPage to_py(const tc::Page& p) {
     return {p.key, p.shard, p.token, p.dtype, p.shape, p.offset, p.size_bytes, p.hash,
             p.expires_at, p.home};
@@ -490,14 +511,7 @@ NB_MODULE(_native, m) {
             "commit",
             [](PyPageIndex& p, const std::vector<PyPageWrite>& writes, double ttl_s, bool home,
                bool if_absent) {
-                std::vector<tc::PageWrite> native;
-                native.reserve(writes.size());
-                for (const auto& w : writes) {
-                    tc::PageWrite n;
-                    std::tie(n.key, n.shard, n.token, n.dtype, n.shape, n.offset, n.size_bytes,
-                             n.hash) = w;
-                    native.push_back(std::move(n));
-                }
+                const auto native = page_writes(writes);
                 tc::CommitOptions options;
                 options.home = home;
                 options.if_absent = if_absent;
@@ -592,17 +606,8 @@ NB_MODULE(_native, m) {
             [](const tc::DirectoryReader& r,
                const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
                 nb::list out;
-                for (const auto& [key, shard, token] : keys) {
-                    const auto hit = r.lookup(key, shard, token);
-                    if (!hit) {
-                        out.append(nb::none());
-                        continue;
-                    }
-                    nb::list shape;
-                    for (int64_t d : hit->shape) shape.append(d);
-                    out.append(nb::make_tuple(hit->offset, hit->size_bytes, hit->dtype,
-                                              nb::tuple(shape), hit->hash));
-                }
+                for (const auto& [key, shard, token] : keys)
+                    out.append(found_to_py(r.lookup(key, shard, token)));
                 return out;
             },
             nb::arg("keys"),
@@ -622,12 +627,7 @@ NB_MODULE(_native, m) {
             "commit",
             [](tc::PageClient& c, double ttl_s, const std::vector<PyPageWrite>& pages,
                const std::vector<uint64_t>& ahead) {
-                std::vector<tc::PageWrite> writes(pages.size());
-                for (size_t i = 0; i < pages.size(); ++i) {
-                    tc::PageWrite& n = writes[i];
-                    std::tie(n.key, n.shard, n.token, n.dtype, n.shape, n.offset, n.size_bytes,
-                             n.hash) = pages[i];
-                }
+                const auto writes = page_writes(pages);
                 nb::gil_scoped_release release;
                 return c.commit(ttl_s, writes, ahead);
             },
@@ -645,16 +645,7 @@ NB_MODULE(_native, m) {
                     found = c.get(native);
                 }
                 nb::list out;
-                for (const auto& page : found) {
-                    if (!page) {
-                        out.append(nb::none());
-                        continue;
-                    }
-                    nb::list shape;
-                    for (int64_t d : page->shape) shape.append(d);
-                    out.append(nb::make_tuple(page->offset, page->size_bytes, page->dtype,
-                                              nb::tuple(shape), page->hash));
-                }
+                for (const auto& page : found) out.append(found_to_py(page));
                 return out;
             },
             nb::arg("keys"),

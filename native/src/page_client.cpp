@@ -266,13 +266,8 @@ std::vector<std::string> PageClient::put_batch(uint8_t* pool, uint64_t pool_byte
     std::vector<PageWrite> writes(count);
     std::vector<std::string> hashes(count);
     for (size_t i = 0; i < count; ++i) {
-        const PagePut& p = pages[i];
         PageWrite& w = writes[i];
-        w.key = p.key;
-        w.shard = p.shard;
-        w.token = p.token;
-        w.dtype = p.dtype;
-        w.shape = p.shape;
+        static_cast<PageMeta&>(w) = pages[i];
         w.offset = offsets[i];
         w.size_bytes = sizes[i];
         w.hash = hashes[i] = hex(digests[i]);

@@ -9,12 +9,16 @@ namespace tc {
 
 double monotonic_s();  // CLOCK_MONOTONIC, the clock of Python's time.monotonic()
 
-struct PageWrite {
+// What a page is: its key, the shard and lease token it is written under, dtype and shape.
+struct PageMeta {
     std::string key;
     uint32_t shard = 0;
     uint64_t token = 0;
     std::string dtype;
     std::vector<int64_t> shape;
+};
+
+struct PageWrite : PageMeta {
     uint64_t offset = 0;  // where its bytes were written in the pool
     uint64_t size_bytes = 0;
     std::string hash;  // hex tree hash the writer claims

@@ -21,12 +21,7 @@
 namespace tc {
 
 // A page a caller wants stored: where its bytes are now, and what they are.
-struct PagePut {
-    std::string key;
-    uint32_t shard = 0;
-    uint64_t token = 0;
-    std::string dtype;
-    std::vector<int64_t> shape;
+struct PagePut : PageMeta {
     const uint8_t* data = nullptr;
     uint64_t size_bytes = 0;
 };
