@@ -168,6 +168,22 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
         time.sleep(interval_s)
 
 
+def wait_dead(rt: tc.Runtime, name: str) -> None:
+    """Until the Global Store reports worker `name` dead (no heartbeat for a TTL): after a
+    kill, so that what follows does not depend on how soon the store noticed."""
+    ttl_s = float(os.environ["TC_HEARTBEAT_TTL_S"])
+    wait_until(lambda: not any(w.alive for w in rt.workers() if w.name == name), ttl_s + 30)
+
+
+def worker_contents(rt: tc.Runtime) -> int:
+    """Contents held by the live workers' pools (held-but-dropped ones not counted)."""
+    from tensorcast.proto import tensorcast_pb2 as pb
+
+    return sum(
+        rt.worker_stub(w).call("Status", pb.Empty()).num_contents for w in rt.workers() if w.alive
+    )
+
+
 def pool_used(rt: tc.Runtime) -> dict[str, int]:
     """Bytes used per worker, straight from each worker (not the heartbeat-delayed store view)."""
     from tensorcast.proto import tensorcast_pb2 as pb

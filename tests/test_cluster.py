@@ -87,10 +87,60 @@ def test_up_twice_status_and_down(tmp_path):
     for pid in pids:
         wait_until(
             lambda pid=pid: _gone(pid),
-            10,
+            30,
         )
     proc = c.tc("status")
     assert proc.returncode == tc.Unavailable.exit_code and "tc up" in proc.stdout
+
+
+def _installed_copy(root: Path) -> Path:
+    """A venv where tensorcast is an installed copy (as `pip install .` leaves it), not the
+    editable source tree; its other packages come from this venv. Returns its `tc` script."""
+    import shutil
+    import sysconfig
+
+    import tensorcast._native
+
+    import tensorcast
+
+    site = root / "site"
+    shutil.copytree(Path(tensorcast.__file__).parent, site / "tensorcast")
+    shutil.copy(tensorcast._native.__file__, site / "tensorcast")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
+    pth = next((root / "venv" / "lib").glob("python3*/site-packages"))
+    # A path listed in a .pth is not a site dir: this venv's editable-install hook stays out.
+    (pth / "paths.pth").write_text(f"{site}\n{sysconfig.get_paths()['purelib']}\n")
+    script = root / "venv" / "bin" / "tc"
+    script.write_text(
+        f"#!{root / 'venv' / 'bin' / 'python'}\n"
+        "import sys\nfrom tensorcast.cli.main import run\nsys.exit(run())\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_up_from_a_directory_holding_a_tensorcast_tree_starts_the_installed_package(tmp_path):
+    """`tc up` run inside a source checkout by a non-editable install: its children must import
+    the installed package, not the (unbuilt) tree in the working directory."""
+    tc_script = _installed_copy(tmp_path / "install")
+    checkout = tmp_path / "checkout"
+    (checkout / "tensorcast").mkdir(parents=True)
+    (checkout / "tensorcast" / "__init__.py").write_text('raise ImportError("the source tree")\n')
+    state = tmp_path / "state"
+    env = {**os.environ, "TC_STATE_DIR": str(state)}
+    run = subprocess.run(
+        [str(tc_script), "up", "--workers", "1", "--mem", "16MiB", "--json"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        assert run.returncode == 0, run.stderr
+        assert len(json.loads(run.stdout)["processes"]) == 2
+    finally:
+        subprocess.run([str(tc_script), "down"], cwd=tmp_path, env=env, timeout=120)
 
 
 def test_killed_worker_is_detected_within_ttl(fresh_cluster):
@@ -99,8 +149,9 @@ def test_killed_worker_is_detected_within_ttl(fresh_cluster):
         rt.put({"w": torch.ones(4)}, "on-worker")
         os.kill(fresh_cluster.pid("worker-1"), signal.SIGKILL)
         killed_at = time.monotonic()
-        wait_until(lambda: not rt.workers()[0].alive, ttl_s + 1.0)
-        assert time.monotonic() - killed_at <= ttl_s + 1.0
+        wait_until(lambda: not rt.workers()[0].alive, ttl_s + 30)
+        # Dead once its last heartbeat is a TTL old; the slack covers a loaded machine only.
+        assert time.monotonic() - killed_at <= ttl_s + 10
         status = json.loads(fresh_cluster.tc("status", "--json").stdout)
         assert {x["name"]: x["state"] for x in status["components"]}["worker-1"] == "dead"
         with pytest.raises(tc.Unavailable, match="no live replica"):
@@ -117,7 +168,7 @@ def test_store_killed_and_restarted_loses_nothing(fresh_cluster):
         before = [(a.art_id, a.content_id, a.owner) for a in rt.list_artifacts()]
     store_pid = c.pid("store")
     os.kill(store_pid, signal.SIGKILL)
-    wait_until(lambda: _gone(store_pid), 5)
+    wait_until(lambda: _gone(store_pid), 30)
     restarted = c.start_store_again()
     try:
 
@@ -132,7 +183,7 @@ def test_store_killed_and_restarted_loses_nothing(fresh_cluster):
             after = [(a.art_id, a.content_id, a.owner) for a in rt.list_artifacts()]
             assert after == before
             # The worker kept heartbeating into the new store process and still serves the data.
-            got = wait_until(lambda: rt.artifact("durable-7").info.replicas, 10)
+            got = wait_until(lambda: rt.artifact("durable-7").info.replicas, 30)
             assert got
             assert int(rt.artifact("durable-7").tensor_dict()["i"]) == 7
     finally:

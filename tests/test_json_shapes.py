@@ -145,6 +145,6 @@ def test_autoscale_script_scales_out_and_in(fresh_cluster):
     assert [s["step"] for s in steps] == ["unpinned", "drained", "stopped"]
     assert steps[1] == {"step": "drained", "moved": 1, "to": "worker-1"}
     with c.connect() as rt:
-        wait_until(lambda: not any(w.name == new and w.alive for w in rt.workers()), 10)
+        wait_until(lambda: not any(w.name == new and w.alive for w in rt.workers()), 30)
         assert torch.equal(rt.artifact("only-on-new").tensor_dict()["x"], torch.ones(16))
         assert torch.equal(rt.artifact("model@v1").tensor_dict()["w"], torch.ones(2 << 20))

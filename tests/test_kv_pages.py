@@ -151,7 +151,7 @@ def test_bad_pages_are_rejected_and_change_nothing(cluster):
 def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_homes):
     with two_homes.connect() as rt:
         pages = rt.pages()
-        wait_until(lambda: len(pages.table(refresh=True).live_homes) == 2, 10)
+        wait_until(lambda: len(pages.table(refresh=True).live_homes) == 2, 30)
         data = _pages(64, tag=7.0)
         pages.put_pages(data, ttl_s=600)
         table = pages.table()
@@ -163,7 +163,7 @@ def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_h
         victim_keys = [k for k in data if shard_of(k, table.num_shards) in lost]
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
-        wait_until(lambda: _exited(victim.pid), 5)  # its sockets are closed now
+        wait_until(lambda: _exited(victim.pid), 30)  # its sockets are closed now
 
         # Until the lease expires the shard has a dead home: a clear error, never wrong bytes
         # (its memory is still mapped here, directory included: it must not be read).
@@ -180,9 +180,9 @@ def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_h
                 and t
             )
 
-        new = wait_until(rehomed, 15, interval_s=0.1)
+        new = wait_until(rehomed, 60, interval_s=0.1)
         elapsed = time.monotonic() - killed_at
-        assert elapsed < new.lease_ttl_s + 3.0, elapsed
+        assert elapsed < new.lease_ttl_s + 15, elapsed  # lease TTL, slack for a loaded machine
         assert all(new.lease(s).token > old_tokens[s] for s in lost)
         # The pages died with their home: absent, not wrong; the engine republishes them.
         assert pages.get_pages(victim_keys) == [None] * len(victim_keys)
@@ -256,7 +256,7 @@ def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path
             # copies run in the background just after the lease moved).
             got = wait_until(
                 lambda: (g := pages.get_pages(list(data))) and all(p is not None for p in g) and g,
-                10,
+                30,
                 interval_s=0.1,
             )
             assert all(
@@ -459,7 +459,7 @@ def test_a_broken_page_connection_is_replaced(cluster):
         assert torch.equal(pages.get_pages([key])[0].tensor(), torch.full((4096,), 2.0))
         # The old connection's spare regions went back when the worker saw it close; the new
         # one holds as many as the old did.
-        assert wait_until(lambda: pool_used(rt) == used, 5)
+        assert wait_until(lambda: pool_used(rt) == used, 30)
 
 
 def test_reads_racing_eviction_get_the_page_or_nothing(fresh_cluster):

@@ -51,7 +51,7 @@ def test_metrics_follow_the_cluster(fresh_cluster):
     assert w["tc_kv_page_errors_total"] == 0 and w["tc_kv_page_connections"] == 1
     heartbeats = 'tc_rpc_duration_seconds_count{method="Heartbeat"}'
     s = wait_until(
-        lambda: (m := _parse(_get(store.metrics_addr, "/metrics")[1])).get(heartbeats) and m, 5
+        lambda: (m := _parse(_get(store.metrics_addr, "/metrics")[1])).get(heartbeats) and m, 30
     )
     assert s['tc_store_artifacts{owner="system"}'] == 1
     assert s['tc_store_artifacts{owner="lease"}'] == 1
@@ -62,4 +62,4 @@ def test_metrics_follow_the_cluster(fresh_cluster):
     assert _get(worker.metrics_addr, "/nope")[0] == 404
     # A worker cut off from its store turns unhealthy.
     os.kill(store.pid, signal.SIGKILL)
-    wait_until(lambda: _get(worker.metrics_addr, "/healthz")[0] == 503, 10, 0.2)
+    wait_until(lambda: _get(worker.metrics_addr, "/healthz")[0] == 503, 30, 0.2)

@@ -211,7 +211,8 @@ void test_timeout_and_cancel() {
     }));
     double elapsed = seconds_since(start);
     std::printf("timeout 300 ms took %.3f s\n", elapsed);
-    CHECK(elapsed >= 0.29 && elapsed < 0.8);
+    // Upper bounds are loose on purpose: they catch a missed deadline, not a slow scheduler.
+    CHECK(elapsed >= 0.29 && elapsed < 5);
 
     std::atomic<bool> cancel{false};
     std::thread canceller([&] {
@@ -226,7 +227,7 @@ void test_timeout_and_cancel() {
     canceller.join();
     elapsed = seconds_since(start);
     std::printf("cancel after 200 ms took %.3f s\n", elapsed);
-    CHECK(elapsed >= 0.19 && elapsed < 0.35);
+    CHECK(elapsed >= 0.19 && elapsed < 5);  // kCancelled, not the 10 s timeout
 }
 
 void test_refused() {
@@ -238,9 +239,10 @@ void test_refused() {
     std::vector<uint8_t> dest(1 << 20);
     const auto start = Clock::now();
     CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kRefused, [&] {
-        tc::pull("127.0.0.1", port, kToken, 1, 0, dest.size(), dest.data(), 4, 0, 5000, nullptr);
+        tc::pull("127.0.0.1", port, kToken, 1, 0, dest.size(), dest.data(), 4, 0, 60'000,
+                 nullptr);
     }));
-    CHECK(seconds_since(start) < 1.0);  // two short backoffs, no waiting for the deadline
+    CHECK(seconds_since(start) < 10);  // two short backoffs, no waiting for the 60 s deadline
 }
 
 void test_server_stop_mid_pull() {
@@ -250,16 +252,19 @@ void test_server_stop_mid_pull() {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
         fx->server.stop();
     });
-    bool ended = false;
-    try {
-        // Small chunks so the pull is still running when the server stops.
-        for (int i = 0; i < 50; ++i)
+    bool ended = false, failed_otherwise = false;
+    // Pull (small chunks) until the stop ends a pull, however late the stopper runs.
+    const auto start = Clock::now();
+    while (!ended && !failed_otherwise && seconds_since(start) < 60) {
+        try {
             tc::pull("127.0.0.1", fx->server.port(), kToken, fx->ticket, 0, kPoolBytes,
                      dest.data(), 4, 64 << 10, 10'000, nullptr);
-    } catch (const tc::TransferError& e) {
-        ended = e.failure() == tc::TransferFailure::kPeerClosed ||
-                e.failure() == tc::TransferFailure::kRefused;
-        if (!ended) std::fprintf(stderr, "  %s\n", e.what());
+        } catch (const tc::TransferError& e) {
+            ended = e.failure() == tc::TransferFailure::kPeerClosed ||
+                    e.failure() == tc::TransferFailure::kRefused;
+            failed_otherwise = !ended;
+            if (!ended) std::fprintf(stderr, "  %s\n", e.what());
+        }
     }
     stopper.join();
     CHECK(ended);
@@ -346,7 +351,7 @@ void test_connection_cap() {
         fds.push_back(raw_connect(fx.server.port()));
     const auto start = Clock::now();
     while (fx.server.stats().active_connections < tc::kMaxServerConnections &&
-           seconds_since(start) < 5)
+           seconds_since(start) < 60)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
     CHECK(fx.server.stats().active_connections == tc::kMaxServerConnections);
     const int extra = raw_connect(fx.server.port());
@@ -362,7 +367,7 @@ void test_connection_cap() {
     CHECK(equals_pool(dest, 0));
     const auto stop_start = Clock::now();
     fx.server.stop();
-    CHECK(seconds_since(stop_start) < 1.5);
+    CHECK(seconds_since(stop_start) < 10);  // bounded, not instant: the machine may be loaded
 }
 
 }  // namespace
