@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.types import TensorMeta
+from tensorcast.types import TensorMeta, check_tensor_name
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -49,8 +49,7 @@ def check_tensors(tensors: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
         raise InvalidArgument("tensors must be a mapping of name -> torch.Tensor")
     items = []
     for name, t in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"tensor names must be non-empty strings, got {name!r}")
+        check_tensor_name(name)
         if not isinstance(t, torch.Tensor):
             raise InvalidArgument(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
         dtype_name(t.dtype)

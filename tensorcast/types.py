@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tensorcast.errors import InvalidArgument
+
 # safetensors dtype name -> bytes per element. The names are the wire format's.
 DTYPE_ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
@@ -33,6 +35,25 @@ TENSOR_ALIGN_BYTES = 64
 
 OWNER_SYSTEM = "system"
 OWNER_LEASE = "lease"
+
+
+MAX_TENSOR_NAME_LENGTH = 1024
+
+
+def check_tensor_name(name: object) -> None:
+    """Tensor names become safetensors header keys and CLI output: printable text only."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > MAX_TENSOR_NAME_LENGTH
+        or not name.isprintable()  # control characters, lone surrogates
+        or name != name.strip()
+        or name == "__metadata__"  # the safetensors header's reserved key
+    ):
+        raise InvalidArgument(
+            f"bad tensor name {name!r}: use 1-{MAX_TENSOR_NAME_LENGTH} printable characters, "
+            "no leading or trailing spaces, not '__metadata__'"
+        )
 
 
 def align_up(value: int, alignment: int) -> int:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from conftest import pool_used, wait_until
+from conftest import pool_used, wait_until, worker_contents
 from safetensors.torch import load_file, save_file
 
 import tensorcast as tc
@@ -128,35 +126,39 @@ def test_lease_expires_and_renewal_extends_it(rt):
     art = rt.register({"kv": torch.randn(64, 64)}, "lease-a", ttl_s=1.5)
     assert art.info.owner == "lease" and art.info.expires_at is not None
     rt.register({"kv": torch.randn(64, 64)}, "lease-b", ttl_s=1.5)
-    time.sleep(1.0)
-    art.renew(3.0)
-    time.sleep(1.0)  # past lease-b's TTL, within lease-a's renewed one
+    first_expiry = art.info.expires_at
+    new_expiry = art.renew(60.0).info.expires_at
+    assert new_expiry is not None and new_expiry > first_expiry + 30
+    # lease-b was registered after lease-a with the same TTL: once it is gone, lease-a would be
+    # gone too without the renewal.
+    wait_until(lambda: "lease-b" not in [a.art_id for a in rt.list_artifacts("lease-")], 30)
     assert torch.equal(rt.artifact("lease-a").tensor_dict()["kv"], art.tensor_dict()["kv"])
     with pytest.raises(tc.NotFound):
         rt.artifact("lease-b")
     assert "lease-b" not in [a.art_id for a in rt.list_artifacts("lease-")]
     with pytest.raises(tc.NotFound):
         rt.renew("lease-b", 10)
-    wait_until(lambda: not any(a.art_id == "lease-a" for a in rt.list_artifacts("lease-")), 5)
+    wait_until(lambda: not any(a.art_id == "lease-a" for a in rt.list_artifacts("lease-")), 30)
 
 
 def test_delete_frees_memory_but_held_tensors_stay_valid(rt):
     data = torch.randn(512, 512)
     rt.put({"w": data}, "to-delete")
     before = sum(pool_used(rt).values())
+    contents_before = worker_contents(rt)
     held = rt.artifact("to-delete").tensor_dict()["w"]
     rt.delete("to-delete")
     with pytest.raises(tc.NotFound):
         rt.artifact("to-delete")
     # The worker learns of the delete by heartbeat; while we hold the tensor it keeps the bytes.
-    time.sleep(1.0)
+    wait_until(lambda: worker_contents(rt) <= contents_before - 1, 30)
     filler = rt.put({"f": torch.full((512, 512), 7.0)}, "after-delete")
     assert torch.equal(held, data)
     del held
     import gc
 
     gc.collect()
-    wait_until(lambda: sum(pool_used(rt).values()) <= before, 5)
+    wait_until(lambda: sum(pool_used(rt).values()) <= before, 30)
     assert torch.equal(filler.tensor_dict()["f"], torch.full((512, 512), 7.0))
 
 
@@ -176,6 +178,31 @@ def test_bad_inputs_are_invalid_argument(rt):
         rt.put({"w": torch.ones(2)}, "")
     with pytest.raises(tc.InvalidArgument):
         rt.register({"w": torch.ones(2)}, "no-ttl", ttl_s=0)
+
+
+@pytest.mark.parametrize(
+    "name", ["a\x00b", "tab\there", "new\nline", " lead", "trail ", "__metadata__", "x" * 1025]
+)
+def test_bad_tensor_names_are_refused_and_store_nothing(rt, name):
+    before = {a.art_id for a in rt.list_artifacts("")}
+    with pytest.raises(tc.InvalidArgument, match="bad tensor name"):
+        rt.put({name: torch.ones(2)}, "bad-name")
+    assert {a.art_id for a in rt.list_artifacts("")} == before
+
+
+def test_workers_and_the_store_refuse_bad_tensor_names_from_any_client(tmp_path):
+    """A client that skips the SDK's check (an old or foreign one) is refused by the worker, and
+    the store refuses such a layout too: the check does not rest on the caller."""
+    from tensorcast.store.sqlite_store import SqliteStore
+    from tensorcast.types import TensorMeta
+    from tensorcast.worker.pool import _check_layout
+
+    bad = TensorMeta("a\x00b", "F32", (2,), 8, 0, "")
+    with pytest.raises(tc.InvalidArgument, match="bad tensor name"):
+        _check_layout([bad], 8)
+    store = SqliteStore(tmp_path / "gs.db", heartbeat_ttl_s=3.0)
+    with pytest.raises(tc.InvalidArgument, match="bad tensor name"):
+        store.add_replica("w", "c1-x", 8, (bad,), now=0.0)
 
 
 def test_caller_on_another_host_moves_bytes_over_grpc(cluster):

@@ -46,6 +46,29 @@ def test_every_command_has_help():
                 assert (param.help or "").strip(), f"{' '.join(path)} {param.name} has no help"
 
 
+def test_help_shows_every_option_text_as_written():
+    """Rich markup must not eat parts of help texts (`[default: x]` renders as nothing)."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from tensorcast.cli.main import app
+
+    def walk(cmd, path):
+        yield path, cmd
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    runner = CliRunner()
+    for path, cmd in walk(get_command(app), []):
+        shown = " ".join(
+            runner.invoke(app, [*path, "--help"], env={"COLUMNS": "400"}).stdout.split()
+        )
+        for param in cmd.params:
+            if getattr(param, "param_type_name", "") == "option" and param.help:
+                text = " ".join(param.help.split())
+                assert text in shown, f"tc {' '.join(path)} {param.opts[0]}: {text!r} not shown"
+
+
 def test_man_pages_are_current():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_man.py"), "--check"],

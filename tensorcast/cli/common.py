@@ -16,7 +16,7 @@ StateDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--state-dir",
-        help="Local cluster state dir [env TC_STATE_DIR; default ~/.local/state/tensorcast].",
+        help="Local cluster state dir (env TC_STATE_DIR; default ~/.local/state/tensorcast).",
         show_default=False,
     ),
 ]
@@ -24,7 +24,7 @@ AddrOpt = Annotated[
     str | None,
     typer.Option(
         "--addr",
-        help="Global Store HOST:PORT of another cluster [env TC_ADDR].",
+        help="Global Store HOST:PORT of another cluster (env TC_ADDR).",
         show_default=False,
     ),
 ]
@@ -32,7 +32,7 @@ TokenOpt = Annotated[
     str | None,
     typer.Option(
         "--token",
-        help="Cluster token [env TC_TOKEN; default: the state dir's].",
+        help="Cluster token (env TC_TOKEN; default: the state dir's).",
         show_default=False,
     ),
 ]

@@ -23,7 +23,7 @@ def start(
         str, typer.Option("--model", help="Artifact id of a model directory put with tc put.")
     ],
     instance_id: Annotated[
-        str, typer.Option("--id", help="Instance id [default: instance-<pid>].", show_default=False)
+        str, typer.Option("--id", help="Instance id (default: instance-<pid>).", show_default=False)
     ] = "",
     listen: Annotated[
         str, typer.Option("--listen", help="HOST:PORT of the engine's HTTP API (port 0: any).")

@@ -40,7 +40,7 @@ def command(
         str | None,
         typer.Option(
             "--on",
-            help="Worker to place it on (name or id) [default: same host, most free memory].",
+            help="Worker to place it on, by name or id (default: same host, most free memory).",
             show_default=False,
         ),
     ] = None,

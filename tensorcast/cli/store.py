@@ -24,7 +24,7 @@ app = typer.Typer(help="Run the Global Store (control-plane metadata).", no_args
 def start(
     db: Annotated[
         Path | None,
-        typer.Option("--db", help="sqlite file [default: STATE_DIR/store.db].", show_default=False),
+        typer.Option("--db", help="sqlite file (default: STATE_DIR/store.db).", show_default=False),
     ] = None,
     listen: Annotated[
         str, typer.Option("--listen", help="HOST:PORT to serve on (port 0: any).")
@@ -34,7 +34,7 @@ def start(
         int | None,
         typer.Option(
             "--shards",
-            help="KV page shards, fixed when the store is first created [default: 16].",
+            help="KV page shards, fixed when the store is first created (default: 16).",
             show_default=False,
         ),
     ] = None,

@@ -91,7 +91,7 @@ def sync(
     model: ModelOpt,
     to: Annotated[str, typer.Option("--to", help="Worker to bring the version to.")],
     version: Annotated[
-        str | None, typer.Option("--version", help="Version [default: newest].", show_default=False)
+        str | None, typer.Option("--version", help="Version (default: newest).", show_default=False)
     ] = None,
     state_dir: StateDirOpt = None,
     addr: AddrOpt = None,

@@ -80,6 +80,9 @@ def _spawn(args: list[str], log: Path, token: str, ready: Path) -> subprocess.Po
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            # `-m` puts the working directory first on sys.path: started from a source checkout
+            # the child would import that tree instead of the installed package.
+            cwd=ready.parent,
             start_new_session=True,  # survives the shell that ran `tc up`
         )
 
@@ -118,6 +121,7 @@ class UpResult:
 
 def up(state_dir: Path, workers: int, mem: str, listen_host: str = "127.0.0.1") -> UpResult:
     """Start a store and `workers` workers unless this state dir already runs a cluster."""
+    state_dir = state_dir.resolve()  # the processes run in state_dir/run
     with _state_lock(state_dir):
         existing = _running(state_dir)
         if existing is not None:

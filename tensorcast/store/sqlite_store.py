@@ -23,6 +23,7 @@ from tensorcast.types import (
     ReplicaInfo,
     TensorMeta,
     WorkerInfo,
+    check_tensor_name,
 )
 
 # A content committed by a worker but not yet named by an artifact survives this long.
@@ -205,6 +206,8 @@ class SqliteStore:
     ) -> None:
         if tier not in ("cpu", "file"):
             raise InvalidArgument(f"unknown replica tier {tier!r}")
+        for t in tensors:
+            check_tensor_name(t.name)
         with self._lock, self.db.conn:
             if not self.db.execute(
                 "SELECT 1 FROM workers WHERE worker_id = ?", [worker_id]

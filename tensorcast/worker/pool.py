@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tensorcast.errors import IntegrityError, InvalidArgument, NotFound
 from tensorcast.identity import content_id as compute_content_id
 from tensorcast.transport import native, shm
-from tensorcast.types import DTYPE_ITEMSIZE, TensorMeta, tensor_nbytes
+from tensorcast.types import DTYPE_ITEMSIZE, TensorMeta, check_tensor_name, tensor_nbytes
 
 PAGE_BYTES = 4096  # pool regions are page aligned, so any caller can map one on its own
 
@@ -242,6 +242,7 @@ class Pool:
 def _check_layout(tensors: list[TensorMeta], region_bytes: int) -> None:
     names = set()
     for t in tensors:
+        check_tensor_name(t.name)
         if t.dtype not in DTYPE_ITEMSIZE or t.size_bytes != tensor_nbytes(t.dtype, t.shape):
             raise InvalidArgument(f"tensor {t.name!r}: bad dtype or size for its shape")
         if t.name in names:
