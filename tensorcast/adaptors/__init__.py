@@ -29,6 +29,26 @@ class InstanceLoad:
 
 
 @dataclass(frozen=True)
+class RequestStat:
+    """One resident request as a rebalancing policy needs it (Algorithm 1's inputs)."""
+
+    req_id: str
+    tokens: int  # tokens of KV cache resident for it
+    idle_s: float  # seconds since it last ran (0 while running)
+    running: bool = False  # generating (or queued to) right now
+    migrations: int = 0  # times its KV cache was imported from another instance
+
+    def to_json(self) -> dict:
+        return {
+            "req_id": self.req_id,
+            "tokens": self.tokens,
+            "idle_s": round(self.idle_s, 3),
+            "running": self.running,
+            "migrations": self.migrations,
+        }
+
+
+@dataclass(frozen=True)
 class KVExport:
     """One request's KV cache as pages plus what an importer needs to rebuild it.
 
@@ -69,6 +89,12 @@ class InstanceAdaptor(ABC):
     @abstractmethod
     def load(self) -> InstanceLoad:
         """Current load; must not wait for running generations."""
+
+    def request_stats(self) -> list[RequestStat]:
+        """Per-request detail for rebalancing policies; engines that track no more than the
+        resident ids report each with 0 tokens, never idle, never migrated."""
+        load = self.load()
+        return [RequestStat(r, 0, 0.0) for r in load.requests]
 
     @abstractmethod
     def buffers(self) -> dict[str, torch.Tensor]:

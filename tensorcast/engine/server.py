@@ -1,7 +1,8 @@
 """A tiny JSON-over-HTTP front end for an engine, and the client helper that speaks to it.
 
 Routes: `POST /generate` {"req_id", "prompt_ids" (list or null), "max_new_tokens"} -> {"tokens"};
-`GET /load` -> the InstanceLoad fields; `POST /evict` {"req_id"} -> {"evicted"}. Errors come back
+`GET /load` -> the InstanceLoad fields; `GET /requests` -> {"requests": [RequestStat fields]};
+`POST /evict` {"req_id"} -> {"evicted"}. Errors come back
 as {"error": ClassName, "message"} with a 4xx status, and `engine_request` raises the matching
 `tensorcast.errors` class. The handler only decodes, calls the engine and encodes; no torch here.
 """
@@ -85,6 +86,9 @@ class _Handler(BaseHTTPRequestHandler):
         engine = self.server.engine
         if (method, self.path) == ("GET", "/load"):
             return asdict(engine.load())
+        if (method, self.path) == ("GET", "/requests"):
+            stats = getattr(engine, "request_stats", None)
+            return {"requests": [s.to_json() for s in stats()] if stats else []}
         if (method, self.path) == ("POST", "/generate"):
             body = self._body()
             prompt_ids = body.get("prompt_ids")

@@ -1,0 +1,370 @@
+"""The emulated engine (tensorcast/engine/sim.py): prefix cache, LRU, scheduling lower bounds,
+KV export/import with real bytes, SGLang's HTTP API, shared prefixes through TensorCast pages,
+and `tc instance start --engine sim` instances migrated with `tc migrate` on a real cluster."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import wait_until
+
+from tensorcast.adaptors import KVExport
+from tensorcast.engine.server import engine_request
+from tensorcast.engine.sglang_api import SimHTTPServer
+from tensorcast.engine.sim import (
+    CostModel,
+    SimConfig,
+    SimEngine,
+    block_data,
+    block_keys,
+    tokenize,
+)
+from tensorcast.errors import (
+    AlreadyExists,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+
+FAST = SimConfig(page_tokens=8, cache_tokens=4096, time_scale=1000.0, kv_bytes_per_token=64)
+SYSTEM = list(range(100, 164))  # 64 tokens every session shares (8 blocks)
+
+
+def context(session: int, length: int) -> list[int]:
+    return SYSTEM + [(session * 7919 + i) % 30000 for i in range(length)]
+
+
+@pytest.fixture
+def engine():
+    e = SimEngine(FAST).start()
+    yield e
+    e.close()
+
+
+def run(engine: SimEngine, tokens, n=4, session="s"):
+    job = engine.submit(tokens, n, session=session)
+    job.wait_done(30)
+    return job
+
+
+def test_second_turn_hits_the_prefix_cache(engine):
+    first = run(engine, context(1, 100), session="a")
+    assert first.cached_tokens == 0 and len(first.outputs) == 4
+    # The next turn: previous context + its output + new tokens. Every full block of the
+    # previous context (164 + 4 tokens -> 21 blocks of 8) is a hit.
+    second = run(engine, first.tokens + first.outputs + [5] * 40, session="a")
+    assert second.cached_tokens == 21 * 8
+    # Same prompt, another session: the shared system prompt and the rest are hits too.
+    other = run(engine, context(2, 100), session="b")
+    assert other.cached_tokens == 64  # only the 8 system blocks
+    assert engine.counters["requests"] == 3
+
+
+def test_lru_evicts_tails_first_and_keeps_the_shared_prefix():
+    config = SimConfig(page_tokens=8, cache_tokens=512, time_scale=1000.0, kv_bytes_per_token=8)
+    e = SimEngine(config).start()
+    try:
+        a = run(e, context(1, 200), session="a")  # 264 + 4 tokens = 33 blocks of 64
+        for s in range(2, 6):  # 4 more sessions of 25 own blocks each: over the 64 blocks
+            run(e, context(s, 200), session=f"s{s}")
+        assert len(e.cache) <= 64 and e.cache.evictions > 0
+        again = run(e, a.tokens + a.outputs, session="a")
+        # Its tail went first: what is left is a prefix (the system prompt at least).
+        assert 64 <= again.cached_tokens < 264
+        keys = block_keys(context(1, 200), 8)
+        assert keys[0] in e.cache and keys[7] in e.cache  # the shared system prompt stayed
+    finally:
+        e.close()
+
+
+def test_time_to_first_token_is_at_least_the_modelled_prefill():
+    """Lower bounds only: the emulator waits the modelled time (more when the host is busy)."""
+    cost = CostModel(prefill_base_s=0.0, prefill_per_token_s=0.0005, prefill_per_context_token_s=0)
+    config = SimConfig(cost=cost, page_tokens=8, cache_tokens=8192, time_scale=1.0)
+    e = SimEngine(config).start()
+    try:
+        miss = run(e, context(1, 600), n=1, session="a")  # 664 uncached tokens: >= 0.332 s
+        assert miss.first_token_at - miss.arrived_at >= 664 * 0.0005
+        hit = run(e, miss.tokens + miss.outputs + [1] * 15, n=1, session="a")
+        uncached = len(hit.tokens) - hit.cached_tokens
+        assert uncached < 30
+        assert hit.first_token_at - hit.arrived_at >= uncached * 0.0005
+    finally:
+        e.close()
+
+
+def test_export_import_moves_real_bytes_and_the_next_turn_hits():
+    a, b = SimEngine(FAST).start(), SimEngine(FAST).start()
+    try:
+        first = run(a, context(3, 150), session="sess")
+        export = a.export_kv("sess")
+        blocks = export.meta["blocks"]
+        assert blocks == (214 + 4) // 8
+        size = sum(p.numel() for p in export.pages.values())
+        assert size == blocks * 8 * 64  # page_tokens x kv_bytes_per_token per block
+        b.import_kv("sess", export)
+        assert b.load().requests == ("sess",)
+        (stat,) = b.request_stats()
+        assert stat.req_id == "sess" and stat.migrations == 1 and stat.tokens == blocks * 8
+        nxt = run(b, first.tokens + first.outputs + [9] * 20, session="sess")
+        assert nxt.cached_tokens == blocks * 8
+        with pytest.raises(AlreadyExists):
+            b.import_kv("sess", export)
+        # Evicting drops the session's own blocks; the system prompt another session holds stays.
+        run(a, context(4, 30), session="other")
+        before = len(a.cache)
+        assert a.evict("sess") is True
+        assert len(a.cache) == before - (blocks - 8)
+        assert "sess" not in a.load().requests
+        assert a.evict("sess") is False
+        with pytest.raises(NotFound):
+            a.export_kv("sess")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_import_rejects_bad_exports(engine):
+    run(engine, context(5, 60), session="x")
+    good = engine.export_kv("x")
+    other = SimEngine(FAST).start()
+    try:
+        bad_meta = dict(good.meta, page_tokens=16)
+        with pytest.raises(InvalidArgument, match="page_tokens"):
+            other.import_kv("x", KVExport(good.pages, bad_meta))
+        with pytest.raises(InvalidArgument, match="pages must be exactly"):
+            other.import_kv("x", KVExport({}, good.meta))
+        page = good.pages["p0"].clone()
+        page[100] ^= 0xFF
+        with pytest.raises(IntegrityError):
+            other.import_kv("x", KVExport({"p0": page}, good.meta))
+        with pytest.raises(InvalidArgument, match="tokens"):
+            other.import_kv("x", KVExport(good.pages, dict(good.meta, tokens=[-1])))
+        assert other.load().requests == () and len(other.cache) == 0  # nothing half-imported
+    finally:
+        other.close()
+
+
+def test_bad_requests_and_config():
+    with pytest.raises(InvalidArgument):
+        SimConfig(page_tokens=0)
+    with pytest.raises(InvalidArgument):
+        SimConfig(time_scale=0)
+    with pytest.raises(InvalidArgument):
+        SimConfig(cost=CostModel(decode_base_s=-1))
+    e = SimEngine(FAST)
+    with pytest.raises(InvalidArgument):
+        e.submit([], 4)
+    with pytest.raises(InvalidArgument):
+        e.submit([1, 2, 10**9], 4)
+    with pytest.raises(InvalidArgument):
+        e.submit([1, 2], 0)
+
+
+def test_tokenizer_round_trips_its_own_words():
+    assert tokenize("t5 t17 t31999", 32000) == [5, 17, 31999]
+    assert tokenize("hello world", 32000) == tokenize("hello  world", 32000)
+    data = block_data(b"k" * 16, 40)
+    assert len(data) == 40 and data[:16] == b"k" * 16
+
+
+def _post(addr: str, path: str, body, headers=None):
+    conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
+    conn.request(
+        "POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})}
+    )
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def test_sglang_http_api(engine):
+    with SimHTTPServer(engine) as server:
+        addr = server.addr
+        assert engine_request(addr, "GET", "/health") == {}
+        load = engine_request(addr, "GET", "/get_load")
+        assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+        info = engine_request(addr, "GET", "/server_info")
+        assert info["engine"] == "sim" and info["config"]["page_tokens"] == 8
+        assert engine_request(addr, "GET", "/get_model_info")["is_generation"] is True
+
+        body = {
+            "input_ids": context(6, 40),
+            "rid": "r1",
+            "sampling_params": {"max_new_tokens": 5},
+            "session_params": {"id": "sess-6"},
+        }
+        status, raw = _post(addr, "/generate", body)
+        reply = json.loads(raw)
+        assert status == 200 and len(reply["output_ids"]) == 5
+        assert reply["meta_info"]["id"] == "r1" and reply["meta_info"]["prompt_tokens"] == 104
+        assert reply["text"] == " ".join(f"t{i}" for i in reply["output_ids"])
+
+        # Streaming: chunked server-sent events, first token first, [DONE] last.
+        nxt = dict(body, rid="r2", stream=True, input_ids=body["input_ids"] + reply["output_ids"])
+        status, raw = _post(addr, "/generate", nxt)
+        events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+        assert status == 200 and events[-1] == b"[DONE]"
+        first, last = json.loads(events[0]), json.loads(events[-2])
+        assert len(first["output_ids"]) == 1 and len(last["output_ids"]) == 5
+        assert last["output_ids"][0] == first["output_ids"][0]
+        assert last["meta_info"]["cached_tokens"] == 104  # the whole first turn, 13 blocks
+
+        # The session is what /requests and our own API see.
+        stats = engine_request(addr, "GET", "/requests")["requests"]
+        assert [s["req_id"] for s in stats] == ["sess-6"]
+        assert stats[0]["tokens"] == 14 * 8  # 109 + 5 tokens
+        own = engine_request(
+            addr, "POST", "/generate", {"req_id": "sess-6", "prompt_ids": None, "max_new_tokens": 2}
+        )
+        assert len(own["tokens"]) == 2
+
+        for bad in (
+            {"sampling_params": {"max_new_tokens": 3}},  # neither text nor input_ids
+            {"text": "a", "input_ids": [1]},
+            {"input_ids": [[1, 2], [3]]},  # batches
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "x"}},
+            {"input_ids": [1, 2], "sampling_params": []},
+        ):
+            status, raw = _post(addr, "/generate", bad)
+            assert status == 400 and json.loads(raw)["error"] == "InvalidArgument", bad
+        status, raw = _post(addr, "/nowhere", {})
+        assert status == 404
+        conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
+        conn.request("POST", "/generate", b"{not json", {"Content-Type": "application/json"})
+        assert conn.getresponse().status == 400
+
+
+def test_full_queue_is_resource_exhausted(monkeypatch):
+    import tensorcast.engine.sim as sim
+
+    monkeypatch.setattr(sim, "MAX_WAITING", 2)
+    e = SimEngine(FAST)  # not started: nothing leaves the queue
+    e.submit([1, 2, 3], 1)
+    e.submit([1, 2, 3], 1)
+    with pytest.raises(ResourceExhausted):
+        e.submit([1, 2, 3], 1)
+
+
+# -- with a cluster ------------------------------------------------------------------------------
+
+
+def test_shared_prefixes_through_tensorcast_pages(cluster):
+    from tensorcast.engine.kv_share import TensorCastKVStore
+
+    rt = cluster.connect()
+    writer_store, reader_store = TensorCastKVStore(rt), TensorCastKVStore(rt)
+    a = SimEngine(FAST, writer_store).start()
+    b = SimEngine(FAST, reader_store).start()
+    try:
+        tokens = context(11, 300)
+        run(a, tokens, session="w")
+        keys = [f"sim/{k.hex()}" for k in block_keys(tokens, 8)]
+        wait_until(lambda: all(writer_store.exists(keys)), 30)  # written behind the scheduler
+        job = run(b, tokens + [7] * 9, session="r")
+        assert job.fetched_tokens == len(keys) * 8
+        assert job.cached_tokens == len(keys) * 8
+        assert b.counters["fetched_tokens"] == len(keys) * 8
+    finally:
+        a.close()
+        b.close()
+        writer_store.close()
+        reader_store.close()
+        rt.close()
+
+
+def start_sim_instance(cluster, iid: str, worker: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    ready = cluster.state_dir / f"{iid}.ready"
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorcast.cli.main",
+            "instance",
+            "start",
+            "--engine",
+            "sim",
+            "--worker",
+            worker,
+            "--id",
+            iid,
+            "--page-tokens",
+            "8",
+            "--kv-bytes-per-token",
+            "64",
+            "--time-scale",
+            "1000",
+            "--load-interval",
+            "0.1",
+            "--ready-file",
+            str(ready),
+            "--state-dir",
+            str(cluster.state_dir),
+            *extra,
+        ],
+        stdout=open(cluster.state_dir / f"{iid}.log", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    wait_until(lambda: ready.exists() or proc.poll() is not None, 60)
+    assert proc.poll() is None, (cluster.state_dir / f"{iid}.log").read_text()[-3000:]
+    return proc, json.loads(ready.read_text())["endpoint"]
+
+
+@pytest.fixture(scope="module")
+def sims(cluster):
+    procs, endpoints = [], {}
+    try:
+        for iid, worker in (("sim-a", "worker-1"), ("sim-b", "worker-2")):
+            proc, endpoint = start_sim_instance(cluster, iid, worker)
+            procs.append(proc)
+            endpoints[iid] = endpoint
+        with cluster.connect() as rt:
+            wait_until(
+                lambda: {i.instance_id for i in rt.instances() if i.alive} >= set(endpoints), 20
+            )
+        yield endpoints
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def sglang_generate(endpoint: str, session: str, ids: list[int], n: int = 4) -> dict:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n},
+        "session_params": {"id": session},
+    }
+    return engine_request(endpoint, "POST", "/generate", body)
+
+
+def test_migrate_a_sim_session_moves_its_kv_bytes(cluster, sims):
+    a, b = sims["sim-a"], sims["sim-b"]
+    first = sglang_generate(a, "mig-1", context(21, 200))
+    proc = cluster.tc("migrate", "mig-1", "--from", "sim-a", "--to", "sim-b", "--json", check=True)
+    result = json.loads(proc.stdout)
+    assert [s["op"] for s in result["steps"]] == ["publish", "prefetch_many", "hydrate", "evict"]
+    blocks = (264 + 4) // 8
+    assert result["steps"][0]["result"]["bytes"] >= blocks * 8 * 64  # + the manifest
+    assert result["steps"][2]["result"]["bytes"] >= blocks * 8 * 64
+    nxt = sglang_generate(b, "mig-1", context(21, 200) + first["output_ids"] + [3] * 10)
+    assert nxt["meta_info"]["cached_tokens"] == blocks * 8
+    assert engine_request(a, "GET", "/requests")["requests"] == []  # evicted from the source
+    stats = engine_request(b, "GET", "/requests")["requests"]
+    assert stats[0]["req_id"] == "mig-1" and stats[0]["migrations"] == 1
+
+
+def test_instance_start_rejects_bad_engines(cluster):
+    proc = cluster.tc("instance", "start", "--worker", "worker-1", "--engine", "gpu")
+    assert proc.returncode == 3 and "unknown engine" in proc.stderr
+    proc = cluster.tc("instance", "start", "--worker", "worker-1")
+    assert proc.returncode == 3 and "--model" in proc.stderr
+    proc = cluster.tc(
+        "instance", "start", "--worker", "worker-1", "--engine", "sim", "--cost", "warp=1"
+    )
+    assert proc.returncode == 3 and "--cost" in proc.stderr
