@@ -16,6 +16,8 @@ from tensorcast.errors import InvalidArgument
 DEFAULT_STORE_PORT = 7400
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TTL_S = 5.0
+# A content committed by a worker but not yet named by an artifact survives this long.
+DEFAULT_UNREFERENCED_GRACE_S = 120.0
 DEFAULT_RPC_TIMEOUT_S = 30.0
 DEFAULT_WORKER_MEM = "1GiB"
 # gRPC messages carry metadata and chunks of bulk data for remote callers; cap them.
@@ -105,6 +107,7 @@ class Timing:
     heartbeat_interval_s: float
     heartbeat_ttl_s: float
     rpc_timeout_s: float
+    unreferenced_grace_s: float
 
 
 def timing() -> Timing:
@@ -112,6 +115,7 @@ def timing() -> Timing:
         heartbeat_interval_s=_env_float("TC_HEARTBEAT_INTERVAL_S", DEFAULT_HEARTBEAT_INTERVAL_S),
         heartbeat_ttl_s=_env_float("TC_HEARTBEAT_TTL_S", DEFAULT_HEARTBEAT_TTL_S),
         rpc_timeout_s=_env_float("TC_RPC_TIMEOUT_S", DEFAULT_RPC_TIMEOUT_S),
+        unreferenced_grace_s=_env_float("TC_UNREFERENCED_GRACE_S", DEFAULT_UNREFERENCED_GRACE_S),
     )
 
 

@@ -24,6 +24,12 @@ from tensorcast.sdk import local_cluster
 from tensorcast.sdk.cluster_file import ClusterRecord, read_token
 
 
+def pytest_addoption(parser):
+    parser.addoption("--chaos-rounds", type=int, default=None, help="chaos rounds to run")
+    parser.addoption("--chaos-seed", type=int, default=None, help="replay a chaos run")
+    parser.addoption("--chaos-kinds", default=None, help="chaos kinds, comma-separated")
+
+
 @dataclass
 class Cluster:
     state_dir: Path

@@ -14,8 +14,7 @@ ArenaAllocator::ArenaAllocator(uint64_t capacity_bytes) : capacity_(capacity_byt
 }
 
 uint64_t ArenaAllocator::allocate(uint64_t size_bytes) {
-    const uint64_t size =
-        (std::max<uint64_t>(size_bytes, 1) + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
+    const uint64_t size = region_bytes(size_bytes);
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto it = free_.begin(); it != free_.end(); ++it) {
         if (it->second < size) continue;

@@ -571,6 +571,7 @@ NB_MODULE(_native, m) {
                  d["pages"] = s.pages;
                  d["home_pages"] = s.home_pages;
                  d["bytes"] = s.bytes;
+                 d["region_bytes"] = s.region_bytes;
                  return d;
              })
         .def(
@@ -711,6 +712,7 @@ NB_MODULE(_native, m) {
                  d["errors_sent"] = st.errors_sent;
                  d["active_connections"] = st.active_connections;
                  d["connections_accepted"] = st.connections_accepted;
+                 d["uncommitted_bytes"] = st.uncommitted_bytes;
                  return d;
              })
         .def(

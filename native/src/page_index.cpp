@@ -173,6 +173,7 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s,
             const int64_t slot = directory_ ? directory_->publish(page) : -1;
             pages_.emplace(w.key, Entry{std::move(page), std::prev(lru_.end()), expiry, slot});
             bytes_ += w.size_bytes;
+            region_bytes_ += region_bytes(w.size_bytes);
             home_count_ += home;
         }
     }
@@ -293,12 +294,14 @@ PageIndexStats PageIndex::stats() {
     PageIndexStats s;
     s.pages = pages_.size();
     s.bytes = bytes_;
+    s.region_bytes = region_bytes_;
     s.home_pages = home_count_;
     return s;
 }
 
 void PageIndex::remove_locked(std::unordered_map<std::string, Entry>::iterator it) {
     bytes_ -= it->second.page.size_bytes;
+    region_bytes_ -= region_bytes(it->second.page.size_bytes);
     home_count_ -= it->second.page.home;
     if (directory_) directory_->unpublish(it->second.slot);  // before its region can be reused
     arena_->free(it->second.page.offset);

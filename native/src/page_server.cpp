@@ -65,6 +65,16 @@ struct PageServer::Impl {
     std::thread accept_thread;
     std::once_flag stop_once;
     std::atomic<uint64_t> requests{0}, errors_sent{0}, active{0}, accepted{0};
+    std::atomic<uint64_t> uncommitted{0};  // region_bytes() of every connection's regions
+
+    void hold(Connection& c, uint64_t offset, uint64_t size_bytes) {
+        c.regions[offset] = size_bytes;
+        uncommitted += region_bytes(size_bytes);
+    }
+    void release(Connection& c, std::map<uint64_t, uint64_t>::iterator region) {
+        uncommitted -= region_bytes(region->second);
+        c.regions.erase(region);
+    }
 
     void accept_loop();
     void serve(Connection& c);
@@ -102,7 +112,7 @@ PageServer::~PageServer() { stop(); }
 
 PageServerStats PageServer::stats() const {
     const Impl& s = *impl_;
-    return {s.requests, s.errors_sent, s.active, s.accepted};
+    return {s.requests, s.errors_sent, s.active, s.accepted, s.uncommitted};
 }
 
 void PageServer::stop() {
@@ -142,7 +152,7 @@ void PageServer::Impl::accept_loop() {
                     }
                     std::vector<uint64_t> regions;
                     for (const auto& [offset, size] : raw->regions) regions.push_back(offset);
-                    raw->regions.clear();
+                    while (!raw->regions.empty()) release(*raw, raw->regions.begin());
                     try {
                         index->free(regions);
                     } catch (const std::exception&) {
@@ -258,7 +268,7 @@ void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8
                                       std::to_string(arena_bytes / 2) +
                                       " bytes (half the pool): commit pages first");
             const auto offsets = index->allocate(sizes, true);
-            for (size_t i = 0; i < offsets.size(); ++i) c.regions[offsets[i]] = sizes[i];
+            for (size_t i = 0; i < offsets.size(); ++i) hold(c, offsets[i], sizes[i]);
             write_offsets(out, offsets);
             return;
         }
@@ -303,7 +313,7 @@ void PageServer::Impl::commit(Connection& c, Reader& in, Writer& out) {
                               "a page region is not this connection's, is named twice, or does "
                               "not have the page's size");
     }
-    for (const auto& w : writes) c.regions.erase(w.offset);
+    for (const auto& w : writes) release(c, c.regions.find(w.offset));
     std::set<std::pair<uint32_t, uint64_t>> leases;
     for (const auto& w : writes) leases.emplace(w.shard, w.token);
     try {
@@ -329,7 +339,7 @@ void PageServer::Impl::commit(Connection& c, Reader& in, Writer& out) {
         } catch (const StatusError&) {
         }
     }
-    for (size_t i = 0; i < offsets.size(); ++i) c.regions[offsets[i]] = ahead[i];
+    for (size_t i = 0; i < offsets.size(); ++i) hold(c, offsets[i], ahead[i]);
     page_wire::write_offsets(out, offsets);
 }
 

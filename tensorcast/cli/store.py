@@ -77,4 +77,5 @@ def start(
         ),
         metrics_listen=metrics_listen,
         num_shards=shards,
+        unreferenced_grace_s=timing().unreferenced_grace_s,
     )

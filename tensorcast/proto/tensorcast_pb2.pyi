@@ -403,20 +403,24 @@ class StoreStatus(_message.Message):
     def __init__(self, version: _Optional[str] = ..., schema_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., db_path: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., num_artifacts: _Optional[int] = ..., num_contents: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker", "num_contents", "num_holds", "store_addr", "pages", "page_bytes")
+    __slots__ = ("worker", "num_contents", "num_holds", "store_addr", "pages", "page_bytes", "page_region_bytes", "page_uncommitted_bytes")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     NUM_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOLDS_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_UNCOMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker: Worker
     num_contents: int
     num_holds: int
     store_addr: str
     pages: int
     page_bytes: int
-    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., num_contents: _Optional[int] = ..., num_holds: _Optional[int] = ..., store_addr: _Optional[str] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    page_region_bytes: int
+    page_uncommitted_bytes: int
+    def __init__(self, worker: _Optional[_Union[Worker, _Mapping]] = ..., num_contents: _Optional[int] = ..., num_holds: _Optional[int] = ..., store_addr: _Optional[str] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_region_bytes: _Optional[int] = ..., page_uncommitted_bytes: _Optional[int] = ...) -> None: ...
 
 class SliceSpec(_message.Message):
     __slots__ = ("tensor", "start", "stop", "step")

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from tensorcast.sdk.signals import Signals
 
 Progress = Callable[[int], None]  # called with bytes just moved
+# Writes of one put whose content another caller's delete freed before it was named.
+NAME_ATTEMPTS = 4
 
 
 def connect(
@@ -257,12 +259,14 @@ class Runtime:
         # it receives and rejects a mismatch, so the copy is checked end to end.
         hashes = native.hash_buffers(sources)
         metas = [replace(m, hash_hex=h) for m, h in zip(metas, hashes)]
-        cid = content_id(metas)
-        found = self.store.call("FindContent", pb.FindContentRequest(content_id=cid))
-        if not (found.exists and found.replicas):
-            filler = writes.buffer_filler(metas, sources)
-            cid = writes.write_content(self, metas, size, filler, progress, worker).content_id
-        return self._name(art_id, cid, owner, ttl_s, "")
+        filler = writes.buffer_filler(metas, sources)
+        return self._write_and_name(
+            art_id,
+            owner,
+            ttl_s,
+            lambda: writes.write_content(self, metas, size, filler, progress, worker).content_id,
+            known=content_id(metas),
+        )
 
     def put_files(
         self,
@@ -293,15 +297,15 @@ class Runtime:
             return self._put_reference(art_id, path, owner, ttl_s or 0.0, worker)
         files = model_dir.scan(path)
         key = put_cache.fingerprint(files.fingerprint_paths())
-        known = put_cache.lookup(key)
-        if known and worker is None:
-            found = self.store.call("FindContent", pb.FindContentRequest(content_id=known))
-            if found.exists and found.replicas:
-                return self._name(art_id, known, owner, ttl_s or 0.0, "")
         metas, size, filler = writes.plan_files(files)
-        committed = writes.write_content(self, metas, size, filler, progress, worker)
-        put_cache.record(key, committed.content_id)
-        return self._name(art_id, committed.content_id, owner, ttl_s or 0.0, "")
+
+        def write() -> str:
+            committed = writes.write_content(self, metas, size, filler, progress, worker)
+            put_cache.record(key, committed.content_id)
+            return committed.content_id
+
+        known = put_cache.lookup(key) if worker is None else None
+        return self._write_and_name(art_id, owner, ttl_s or 0.0, write, known)
 
     def _put_reference(
         self,
@@ -321,6 +325,27 @@ class Runtime:
             {"op": "put_reference", "path": os.path.abspath(path)}
         )
         return self._name(art_id, reply["content_id"], owner, ttl_s, "")
+
+    def _write_and_name(
+        self, art_id: str, owner: str, ttl_s: float, write: Callable[[], str], known: str | None
+    ) -> Artifact:
+        """Name content, writing it first (`write` returns its id) unless the cluster already
+        holds `known`. The content can vanish between that check (or the write) and the naming,
+        when another caller deletes the last artifact naming it: then write it again, a bounded
+        number of times, rather than fail with an error the caller cannot act on."""
+        for attempt in range(NAME_ATTEMPTS):
+            if attempt or known is None or not self._held(known):
+                known = write()
+            try:
+                return self._name(art_id, known, owner, ttl_s, "")
+            except NotFound:
+                if attempt == NAME_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _held(self, content_id: str) -> bool:
+        found = self.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
+        return found.exists and bool(found.replicas)
 
     def _name(
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str

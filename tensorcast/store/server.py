@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
@@ -69,9 +70,10 @@ def serve(
     stop_event: threading.Event | None = None,
     metrics_listen: str = "127.0.0.1:0",
     num_shards: int | None = None,
+    unreferenced_grace_s: float = DEFAULT_UNREFERENCED_GRACE_S,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`). `on_ready(addr)` runs once listening."""
-    store = SqliteStore(db_path, heartbeat_ttl_s)
+    store = SqliteStore(db_path, heartbeat_ttl_s, unreferenced_grace_s)
     coord = SqliteCoordination(store, num_shards)
     server = make_server(token)
     pb_grpc.add_GlobalStoreServicer_to_server(

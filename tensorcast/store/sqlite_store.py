@@ -13,6 +13,7 @@ from pathlib import Path
 
 import sqlite_utils
 
+from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S
 from tensorcast.errors import AlreadyExists, IntegrityError, InvalidArgument, NotFound
 from tensorcast.store.base import ContentInfo, WorkerRegistration
 from tensorcast.store.schema import migrate
@@ -26,8 +27,6 @@ from tensorcast.types import (
     check_tensor_name,
 )
 
-# A content committed by a worker but not yet named by an artifact survives this long.
-UNREFERENCED_GRACE_S = 120.0
 # A heartbeat's inventory was taken before it was sent: replica rows newer than this are kept
 # even when missing from it (explicit RemoveReplica calls are immediate).
 RECONCILE_GRACE_S = 10.0
@@ -50,7 +49,12 @@ def validate_art_id(art_id: str) -> None:
 
 
 class SqliteStore:
-    def __init__(self, path: str | Path, heartbeat_ttl_s: float) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        heartbeat_ttl_s: float,
+        unreferenced_grace_s: float = DEFAULT_UNREFERENCED_GRACE_S,
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
@@ -60,6 +64,7 @@ class SqliteStore:
         self.db.execute("PRAGMA foreign_keys=ON")
         self.schema_version = migrate(self.db)
         self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.unreferenced_grace_s = unreferenced_grace_s  # a commit's time to be named
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -431,12 +436,12 @@ class SqliteStore:
                 "DELETE FROM replicas WHERE content_id IN (SELECT content_id FROM contents c "
                 "WHERE created_at < ? AND NOT EXISTS "
                 "(SELECT 1 FROM artifacts a WHERE a.content_id = c.content_id))",
-                [now - UNREFERENCED_GRACE_S],
+                [now - self.unreferenced_grace_s],
             )
             self.db.execute(
                 "DELETE FROM contents WHERE created_at < ? AND NOT EXISTS "
                 "(SELECT 1 FROM artifacts a WHERE a.content_id = contents.content_id)",
-                [now - UNREFERENCED_GRACE_S],
+                [now - self.unreferenced_grace_s],
             )
             self.db.execute(
                 "DELETE FROM file_references WHERE content_id NOT IN "

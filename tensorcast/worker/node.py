@@ -348,21 +348,21 @@ class WorkerNode:
         """
         result = self.pool.commit(reservation_id, tensors, verify_hashes, content_id, hashed)
         content = result.content
-        if not result.deduplicated and not replica:
-            found = self.store.call(
-                "FindContent", pb.FindContentRequest(content_id=content.content_id)
-            )
-            if found.exists and any(r.worker_id != self.worker_id for r in found.replicas):
-                self.pool.drop(content.content_id)
-                return Committed(
-                    content.content_id,
-                    content.size_bytes,
-                    tensors_from_pb(found.tensors),
-                    True,
-                )
-        # Register even a local duplicate: the store may have forgotten it (deleted, not yet
-        # dropped here), and AddReplica is idempotent.
+        registered = False
         try:
+            if not result.deduplicated and not replica:
+                found = self.store.call(
+                    "FindContent", pb.FindContentRequest(content_id=content.content_id)
+                )
+                if found.exists and any(r.worker_id != self.worker_id for r in found.replicas):
+                    return Committed(
+                        content.content_id,
+                        content.size_bytes,
+                        tensors_from_pb(found.tensors),
+                        True,
+                    )
+            # Register even a local duplicate: the store may have forgotten it (deleted, not
+            # yet dropped here), and AddReplica is idempotent.
             self.store.call(
                 "AddReplica",
                 pb.AddReplicaRequest(
@@ -372,11 +372,12 @@ class WorkerNode:
                     tensors=[tensor_to_pb(t) for t in content.tensors],
                 ),
             )
-        except TensorcastError:
-            if not result.deduplicated:  # ours alone: nothing else refers to it yet
+            registered = True
+        finally:
+            self.pool.end_registration(content.content_id, registered)
+            if not registered and not result.deduplicated:
+                # Held elsewhere, or the store refused it: ours alone, nothing refers to it.
                 self.pool.drop(content.content_id)
-            raise
-        self.pool.mark_registered(content.content_id)
         return Committed(
             content.content_id, content.size_bytes, content.tensors, result.deduplicated
         )

@@ -13,6 +13,7 @@ page hash, so a page evicted and overwritten during a copy is detected, never re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tensorcast.errors import IntegrityError, InvalidArgument
 from tensorcast.transport import native
@@ -74,6 +75,7 @@ class PageStore:
         slots = min(MAX_DIRECTORY_SLOTS, pool.capacity_bytes // DIRECTORY_BYTES_PER_SLOT)
         self.directory = native.PageDirectory(slots)
         self.index.attach_directory(self.directory)
+        self.server: Any = None  # the page socket's native.PageServer, once serving
 
     def close(self) -> None:
         """Release the pool buffer (after every page server over this index has stopped)."""
@@ -164,7 +166,11 @@ class PageStore:
         return int(self.index.expire())
 
     def stats(self) -> dict[str, int]:
-        return dict(self.index.stats())
+        """pages, home_pages, bytes (the pages' sizes), region_bytes (the pool they take) and
+        uncommitted_bytes (regions page connections hold for puts not yet committed)."""
+        stats = dict(self.index.stats())
+        stats["uncommitted_bytes"] = self.server.stats()["uncommitted_bytes"] if self.server else 0
+        return stats
 
 
 def _page(t: tuple) -> Page:

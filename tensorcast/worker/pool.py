@@ -29,6 +29,7 @@ class Content:
     tensors: tuple[TensorMeta, ...]
     committed_at: float
     registered: bool = False  # the Global Store knows about it
+    registering: int = 0  # commits telling the Global Store about it right now
     holds: int = 0
     dropped: bool = False
     pinned: bool = False  # never evicted
@@ -119,6 +120,8 @@ class Pool:
         it wrote them (a file read that hashes as it goes): taken as they are.
         Identical content already in the pool wins: the new bytes are freed (deduplicated).
         `content_id` names content whose identity is not its hashes (registered by reference).
+        The caller registers the content and then calls `end_registration`, whatever happened:
+        until then the content is neither dropped nor evicted.
         """
         with self._lock:
             res = self._reservations.get(reservation_id)
@@ -155,9 +158,12 @@ class Pool:
                 self.arena.free(res.offset)
                 # Committed again: a drop decided before now (the store forgot it) must not win.
                 existing.committed_at = time.time()
+                existing.registering += 1
                 return CommitResult(existing, True)
             now = time.time()
-            content = Content(cid, res.offset, res.size_bytes, metas, now, last_used=now)
+            content = Content(
+                cid, res.offset, res.size_bytes, metas, now, last_used=now, registering=1
+            )
             self._contents[cid] = content
             return CommitResult(content, False)
 
@@ -203,19 +209,36 @@ class Pool:
     def eviction_candidates(self) -> list[str]:
         """Unpinned contents nobody maps right now, least recently used first."""
         with self._lock:
-            idle = [c for c in self._contents.values() if not c.pinned and c.holds == 0]
+            idle = [
+                c
+                for c in self._contents.values()
+                if not c.pinned and c.holds == 0 and c.registering == 0
+            ]
             return [c.content_id for c in sorted(idle, key=lambda c: c.last_used)]
 
-    def mark_registered(self, content_id: str) -> None:
-        with self._lock:
-            if content_id in self._contents:
-                self._contents[content_id].registered = True
-
-    def drop(self, content_id: str, unless_committed_after: float = float("inf")) -> bool:
-        """Drop a content (freed once no caller holds it). Skips one (re)committed recently."""
+    def end_registration(self, content_id: str, registered: bool) -> None:
+        """A commit's registration is over. A drop decided from a heartbeat sent before now
+        (the store did not know the content yet, or had just forgotten it) must not win."""
         with self._lock:
             content = self._contents.get(content_id)
-            if content is None or content.committed_at > unless_committed_after:
+            if content is None:
+                return
+            content.registering -= 1
+            assert content.registering >= 0
+            if registered:
+                content.registered = True
+                content.committed_at = time.time()
+
+    def drop(self, content_id: str, unless_committed_after: float = float("inf")) -> bool:
+        """Drop a content (freed once no caller holds it). Skips one (re)committed recently or
+        being registered right now."""
+        with self._lock:
+            content = self._contents.get(content_id)
+            if (
+                content is None
+                or content.registering
+                or content.committed_at > unless_committed_after
+            ):
                 return False
             del self._contents[content_id]
             content.dropped = True

@@ -143,6 +143,7 @@ def serve(
         token,
         pool.capacity_bytes,
     )
+    node.pages.server = page_server
     metrics = MetricsServer(
         metrics_listen,
         lambda: _samples(node, transfers, page_server),

@@ -58,6 +58,8 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
             store_addr=self.node.store_addr,
             pages=page_stats["pages"],
             page_bytes=page_stats["bytes"],
+            page_region_bytes=page_stats["region_bytes"],
+            page_uncommitted_bytes=page_stats["uncommitted_bytes"],
         )
 
     def View(self, request, context):

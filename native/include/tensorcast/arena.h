@@ -12,6 +12,12 @@ namespace tc {
 
 constexpr uint64_t kArenaAlignment = 4096;  // offsets are page aligned: any region can be mapped
 
+// Bytes of arena a region of `size_bytes` takes (an empty region takes one page).
+constexpr uint64_t region_bytes(uint64_t size_bytes) {
+    return ((size_bytes ? size_bytes : 1) + kArenaAlignment - 1) / kArenaAlignment *
+           kArenaAlignment;
+}
+
 class ArenaAllocator {
 public:
     explicit ArenaAllocator(uint64_t capacity_bytes);

@@ -49,7 +49,8 @@ struct CommitOptions {
 struct PageIndexStats {
     uint64_t pages = 0;
     uint64_t home_pages = 0;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0;         // the pages' own sizes
+    uint64_t region_bytes = 0;  // the pool they take (regions are page aligned)
 };
 
 // Called (without the index lock) when a page operation names a lease this index does not hold
@@ -114,6 +115,7 @@ private:
     // whole index under the lock page operations wait on.
     std::multimap<double, std::string> expiry_;
     uint64_t bytes_ = 0;
+    uint64_t region_bytes_ = 0;
     uint64_t home_count_ = 0;
     std::mutex lease_mutex_;
     std::map<uint32_t, std::pair<uint64_t, double>> held_;  // shard -> (token, local deadline)

@@ -45,6 +45,7 @@ struct PageServerStats {
     uint64_t errors_sent = 0;
     uint64_t active_connections = 0;
     uint64_t connections_accepted = 0;
+    uint64_t uncommitted_bytes = 0;  // pool regions connections hold for pages not yet committed
 };
 
 class PageServer {
