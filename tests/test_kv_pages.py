@@ -542,3 +542,27 @@ def test_large_batches_are_split_and_one_connection_cannot_hold_the_pool(fresh_c
             conn.alloc([16 << 20, 16 << 20, 1 << 20])
         assert pool_used(rt) == used
         assert pages.exists_pages(list(big)) == [True] * len(big)  # nothing was evicted
+
+
+def test_workers_account_for_page_regions_and_regions_held_for_puts(fresh_cluster):
+    """Status shows the pool bytes pages take (4 KiB-aligned regions) and the regions page
+    connections hold for their next puts, which come back when the connection closes: what
+    the chaos suite's leak check subtracts."""
+    with fresh_cluster.connect() as probe:
+        worker = probe.workers()[0]
+
+        def status() -> pb.WorkerStatus:
+            return probe.worker_stub(worker).call("Status", pb.Empty())
+
+        base = status()
+        with fresh_cluster.connect() as rt:
+            rt.pages().put_pages({"kv/acct/1": torch.ones(1000)}, ttl_s=60)  # 4000 bytes
+            held = status()
+            assert held.page_bytes - base.page_bytes == 4000
+            assert held.page_region_bytes - base.page_region_bytes == 4096
+            assert held.page_uncommitted_bytes > 0  # reserved for this connection's next put
+            assert held.worker.mem_used_bytes - base.worker.mem_used_bytes == (
+                4096 + held.page_uncommitted_bytes - base.page_uncommitted_bytes
+            )
+        wait_until(lambda: status().page_uncommitted_bytes == base.page_uncommitted_bytes, 30)
+        assert status().worker.mem_used_bytes - base.worker.mem_used_bytes == 4096
