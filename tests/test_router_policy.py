@@ -282,3 +282,43 @@ def test_no_decision_when_the_gap_gate_is_closed(loads, requests):
     gap = max(loads.values()) - min(loads.values())
     closed = RebalanceParams(theta_abs=gap + 0.001)
     assert decide(loads, requests, 500.0, closed).decision is None
+
+
+# -- the baseline routing choices -----------------------------------------------------------
+
+
+def test_round_robin_cycles_in_id_order():
+    from tensorcast.router.baselines import round_robin
+
+    picks, previous = [], None
+    for _ in range(5):
+        previous = round_robin(["c", "a", "b"], previous)
+        picks.append(previous)
+    assert picks == ["a", "b", "c", "a", "b"]
+    assert round_robin(["a", "c"], "b") == "c"  # the previous pick left: the next one after it
+
+
+def test_power_of_two_takes_the_less_loaded_of_two():
+    from tensorcast.router.baselines import power_of_two
+
+    rng = random.Random(0)
+    loads = {"a": 5.0, "b": 1.0, "c": 9.0}
+    picks = [power_of_two(["a", "b", "c"], loads, rng) for _ in range(200)]
+    assert "c" not in picks  # c is never the less loaded of any pair
+    assert picks.count("b") > picks.count("a")  # b wins every pair it is drawn in
+
+
+def test_cache_aware_prefers_the_longest_prefix_unless_imbalanced():
+    from tensorcast.router.baselines import PrefixIndex, cache_aware, prefix_keys
+
+    index = PrefixIndex()
+    keys = prefix_keys(list(range(320)), 32)
+    assert len(keys) == 10
+    index.insert("b", keys[:8])
+    index.insert("a", keys[:2])
+    assert cache_aware(["a", "b", "c"], {}, index, keys) == "b"  # 8/10 >= 0.5
+    # Below the threshold: the instance with the smallest picture of the cache (c: empty).
+    assert cache_aware(["a", "b", "c"], {}, index, prefix_keys(list(range(999, 1319)), 32)) == "c"
+    # Imbalanced (gap > 32 and ratio > 1.5): the least loaded, whatever the match.
+    loads = {"a": 10.0, "b": 50.0, "c": 12.0}
+    assert cache_aware(["a", "b", "c"], loads, index, keys) == "a"

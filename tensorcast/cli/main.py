@@ -19,7 +19,9 @@ from tensorcast.cli import (
     prefetch,
     publish,
     put,
+    rebalance,
     rm,
+    router,
     shards,
     show,
     status,
@@ -57,6 +59,7 @@ for module in (
     publish,
     hydrate,
     migrate,
+    rebalance,
     workers,
     instances,
     plans,
@@ -67,6 +70,7 @@ app.add_typer(store.app, name="store")
 app.add_typer(worker.app, name="worker")
 app.add_typer(weights.app, name="weights")
 app.add_typer(instance.app, name="instance")
+app.add_typer(router.app, name="router")
 
 
 def run() -> None:

@@ -1,6 +1,6 @@
-"""Live view of the cluster: workers, artifacts, engine instances, KV shards and recent plans
-(keys: 1-5 views, s sort, / filter, Enter detail, p/u/f pin/unpin/prefetch with confirmation,
-q quit)."""
+"""Live view of the cluster: workers, artifacts, engine instances, KV shards and recent plans,
+and with --router a router's loads, sessions and migrations (keys: 1-7 views, s sort,
+/ filter, Enter detail, p/u/f pin/unpin/prefetch with confirmation, q quit)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,15 @@ NAME = "top"
 
 
 def command(
+    router: Annotated[
+        str | None,
+        typer.Option(
+            "--router",
+            help="HOST:PORT of a running tc router: adds its view (loads, sessions, migrations); "
+            "default: the router recorded in the state dir, if any.",
+            show_default=False,
+        ),
+    ] = None,
     interval: Annotated[
         float, typer.Option("--interval", min=0.2, help="Refresh period in seconds.")
     ] = 1.0,
@@ -21,6 +30,17 @@ def command(
     addr: AddrOpt = None,
     token: TokenOpt = None,
 ) -> None:
+    from tensorcast.cli.router import router_addr
+    from tensorcast.errors import NotFound
     from tensorcast.tui.top import SdkSource, TopApp
 
-    TopApp(SdkSource(lambda: connect(state_dir, addr, token)), interval_s=interval).run()
+    try:
+        router = router_addr(router, state_dir)
+    except NotFound:
+        router = None
+
+    TopApp(
+        SdkSource(lambda: connect(state_dir, addr, token), router),
+        interval_s=interval,
+        show_router=router is not None,
+    ).run()

@@ -25,6 +25,7 @@ Errors: 4xx/5xx with {"error": ClassName, "message"} (what `engine_request` maps
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,6 +44,12 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # routers open many connections at once
     engine: SimEngine
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-reply is not an error worth printing (never print)."""
+        logging.getLogger("tensorcast.http").debug(
+            "request from %s failed", client_address, exc_info=True
+        )
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -20,6 +20,7 @@ class ClusterSnapshot:
     shards: ShardTable | None = None
     plans: tuple[PlanRecord, ...] = ()  # most recent first
     error: str = ""  # set when the cluster could not be reached
+    router: dict | None = None  # a router's /router/state (tc top --router), or {"error": ...}
 
 
 PLANS_SHOWN = 100

@@ -54,6 +54,12 @@ TITLES = {
     "shards": "Shards [4]",
     "plans": "Plans [5]",
 }
+# Shown when `tc top --router HOST:PORT` names a running router (tc router start).
+ROUTER_COLUMNS = {
+    "router": ("INSTANCE", "IN FLIGHT", "REPORTED", "EWMA LOAD", "SESSIONS", "ROUTED"),
+    "migrations": ("SESSION", "FROM", "TO", "STATUS", "BYTES", "TIME", "AGE", "KEY"),
+}
+ROUTER_TITLES = {"router": "Router [6]", "migrations": "Migrations [7]"}
 
 
 class Source(Protocol):
@@ -133,6 +139,8 @@ class TopApp(App[None]):
         Binding("3", "show('instances')", "Instances"),
         Binding("4", "show('shards')", "Shards"),
         Binding("5", "show('plans')", "Plans"),
+        Binding("6", "show('router')", "Router", show=False),
+        Binding("7", "show('migrations')", "Migrations", show=False),
         Binding("s", "sort", "Sort"),
         Binding("slash", "filter", "Filter"),
         Binding("enter", "detail", "Detail", show=False),
@@ -144,7 +152,11 @@ class TopApp(App[None]):
     ]
 
     def __init__(
-        self, source: Source, interval_s: float = 1.0, clock: Callable[[], float] = time.time
+        self,
+        source: Source,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        show_router: bool = False,
     ) -> None:
         super().__init__()
         self.source = source
@@ -152,8 +164,13 @@ class TopApp(App[None]):
         self.clock = clock
         self.snapshot = ClusterSnapshot(taken_at=0.0)
         self.rates = RateHistory()
-        self.sort_column = dict.fromkeys(COLUMNS, 0)
+        self.show_router = show_router
+        self.columns = {**COLUMNS, **(ROUTER_COLUMNS if show_router else {})}
+        self.titles = {**TITLES, **(ROUTER_TITLES if show_router else {})}
+        self.sort_column = dict.fromkeys(self.columns, 0)
         self.sort_column["plans"] = COLUMNS["plans"].index("STARTED")  # most recent first
+        if show_router:
+            self.sort_column["migrations"] = ROUTER_COLUMNS["migrations"].index("AGE")
         self.filter_text = ""
 
     def compose(self) -> ComposeResult:
@@ -161,7 +178,7 @@ class TopApp(App[None]):
         yield Static("", id="banner")
         yield Input(placeholder="filter (Enter to apply, empty to clear)", id="filter")
         with TabbedContent(initial="workers"):
-            for view, title in TITLES.items():
+            for view, title in self.titles.items():
                 with TabPane(title, id=view):
                     yield DataTable(id=f"{view}-table", cursor_type="row", zebra_stripes=True)
         yield Static("connecting...", id="status")
@@ -173,8 +190,8 @@ class TopApp(App[None]):
         self.status = self.query_one("#status", Static)
         self.filter_box = self.query_one("#filter", Input)
         self.tabs = self.query_one(TabbedContent)
-        self.tables = {view: self.query_one(f"#{view}-table", DataTable) for view in COLUMNS}
-        for view, columns in COLUMNS.items():
+        self.tables = {view: self.query_one(f"#{view}-table", DataTable) for view in self.columns}
+        for view, columns in self.columns.items():
             self.tables[view].add_columns(*columns)
         self.tables["workers"].focus()
         self.action_refresh()
@@ -254,11 +271,15 @@ class TopApp(App[None]):
         self._fill("instances", self._instance_rows(names))
         self._fill("shards", self._shard_rows(names))
         self._fill("plans", self._plan_rows())
+        if self.show_router:
+            self._fill("router", self._router_rows())
+            self._fill("migrations", self._migration_rows())
         alive = sum(w.alive for w in s.workers)
         self.status.update(
             f"store {s.store_addr} | {alive}/{len(s.workers)} workers alive | "
             f"{len(s.artifacts)} artifacts | {len(s.instances)} instances | "
-            f"filter: {self.filter_text or '-'}"
+            + (_router_status(s.router) if self.show_router else "")
+            + f"filter: {self.filter_text or '-'}"
         )
 
     def _instance_rows(self, names: dict[str, str]) -> list[tuple[str, list[str]]]:
@@ -317,6 +338,43 @@ class TopApp(App[None]):
             for p in self.snapshot.plans
         ]
 
+    def _router_rows(self) -> list[tuple[str, list[str]]]:
+        router = self.snapshot.router or {}
+        return [
+            (
+                i["instance_id"],
+                [
+                    i["instance_id"],
+                    str(i["inflight"]),
+                    f"{i['reported_waiting']}+{i['reported_running']}",
+                    f"{i['ewma_load']:.2f}",
+                    str(i["sessions"]),
+                    str(i["routed"]),
+                ],
+            )
+            for i in router.get("instances", [])
+        ]
+
+    def _migration_rows(self) -> list[tuple[str, list[str]]]:
+        router = self.snapshot.router or {}
+        now = self.clock()
+        return [
+            (
+                f"{m.get('key', '')}#{n}",
+                [
+                    m["req_id"],
+                    m["source"],
+                    m["target"],
+                    m.get("status", "?"),
+                    format_size(int(m.get("bytes", 0))),
+                    f"{m.get('duration_s', 0.0):.3f}s",
+                    f"{max(0.0, now - m.get('at', now)):.0f}s ago",
+                    m.get("key", ""),
+                ],
+            )
+            for n, m in enumerate(router.get("migrations", []))
+        ]
+
     def _fill(self, view: str, rows: list[tuple[str, list[str]]]) -> None:
         table = self.tables[view]
         if self.filter_text:
@@ -344,12 +402,15 @@ class TopApp(App[None]):
         return self.tabs.active or "workers"
 
     def action_show(self, view: str) -> None:
+        if view not in self.tables:
+            self.notify("no router view: start tc top with --router HOST:PORT", severity="warning")
+            return
         self.tabs.active = view
         self.tables[view].focus()
 
     def action_sort(self) -> None:
         view = self._view()
-        columns = COLUMNS[view]
+        columns = self.columns[view]
         self.sort_column[view] = (self.sort_column[view] + 1) % len(columns)
         self.notify(f"sorted by {columns[self.sort_column[view]]}")
         self.render_tables()
@@ -415,12 +476,25 @@ def _sort_key(cell: str) -> tuple[int, float, str]:
     return (0, float(match.group(1)) * _UNITS.get(match.group(3) or "B", 1), cell)
 
 
+def _router_status(router: dict | None) -> str:
+    if not router:
+        return "router: - | "
+    if "error" in router:
+        return f"router unreachable: {router['error']} | "
+    return (
+        f"router {router.get('policy')}: {router.get('sessions', 0)} sessions, "
+        f"{router.get('migrations_ok', 0)} migrations, "
+        f"{format_size(int(router.get('migrated_bytes', 0)))} moved | "
+    )
+
+
 class SdkSource:
     """The real source: a Runtime, reconnected after any failure (store restarts, etc.)."""
 
-    def __init__(self, connect: Callable[[], object]) -> None:
+    def __init__(self, connect: Callable[[], object], router: str | None = None) -> None:
         self._connect = connect
         self._rt: Any = None
+        self.router = router
 
     def _runtime(self):
         if self._rt is None:
@@ -437,9 +511,20 @@ class SdkSource:
             raise
 
     def fetch(self) -> ClusterSnapshot:
+        from dataclasses import replace
+
         from tensorcast.tui.snapshot import fetch
 
-        return self._call(fetch)
+        snapshot = self._call(fetch)
+        if self.router is None:
+            return snapshot
+        from tensorcast.engine.server import engine_request
+
+        try:
+            state = engine_request(self.router, "GET", "/router/state", timeout_s=5.0)
+        except Exception as e:  # the cluster view stays; the router row says why
+            state = {"error": str(e).splitlines()[0]}
+        return replace(snapshot, router=state)
 
     def pin(self, art_id: str, worker: str) -> None:
         self._call(lambda rt: rt.artifact(art_id).pin(worker))

@@ -1,0 +1,610 @@
+"""`tc router start`: an HTTP router in front of a cluster's engine instances (SGLang's
+/generate API in and out), with the policies of paper §6.4:
+
+  rebalance     sticky sessions placed cache-aware, plus Algorithm 1 ticks that move an idle
+                session with its KV cache from the most to the least loaded instance (a plan:
+                publish -> prefetch_many -> hydrate -> evict, one idempotency key per decision)
+  cache-aware   longest prefix match over what the router sent where, SGLang gateway style
+  load-aware    power of two choices on in-flight requests
+  round-robin   the next instance in id order
+
+Instances are the cluster's live instances with an HTTP endpoint (`list_instances()`,
+refreshed every `discover_s`). The session of a request is `session_params.id`, else
+`session_id`, else the `X-Session-Id` header, else the rid; it is forwarded as
+`session_params.id`. Sessions stick to one owner under `rebalance` and `cache-aware` (until a
+migration moves them, or their owner dies); `load-aware` and `round-robin` choose per request.
+
+Ownership rules (never two owners): a migration starts only for a session with no turn in
+flight, and a turn of a session being migrated waits for the migration to end (bounded by its
+deadline) and then goes to whichever instance owns the session. A failed migration leaves the
+owner unchanged unless the target already holds the KV cache (hydrate succeeded).
+
+Everything here is a thin shell: choices come from `baselines` and `policy` (pure); the router
+keeps only the session table, in-flight counts and a short history of migrations.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from tensorcast import errors
+from tensorcast.router import baselines
+from tensorcast.router.policy import LoadSample, RebalanceParams, RequestState, tick
+from tensorcast.router.rebalance import decision_key, summarize
+
+if TYPE_CHECKING:
+    from tensorcast.sdk.runtime import Runtime
+
+log = logging.getLogger("tensorcast.router")
+
+POLICIES = ("rebalance", "cache-aware", "load-aware", "round-robin")
+MAX_BODY_BYTES = 64 << 20
+MIGRATIONS_KEPT = 100
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Knobs of the router; `params` are Algorithm 1's (policy `rebalance` only).
+
+    load_source: "signals" (instances' reported waiting+running, via the store) or "router"
+    (the requests this router has in flight per instance: exact, but blind to other callers).
+    """
+
+    policy: str = "rebalance"
+    params: RebalanceParams = field(default_factory=RebalanceParams)
+    tick_s: float = 1.0
+    load_source: str = "signals"
+    block_tokens: int = 32
+    cache_threshold: float = 0.5
+    balance_abs: float = 32.0
+    balance_rel: float = 1.5
+    migration_deadline_ms: int = 30_000
+    request_timeout_s: float = 900.0
+    discover_s: float = 1.0
+    instances: tuple[str, ...] = ()  # only these instance ids (default: every live one)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise errors.InvalidArgument(
+                f"unknown policy {self.policy!r}: use one of {', '.join(POLICIES)}"
+            )
+        if self.load_source not in ("signals", "router"):
+            raise errors.InvalidArgument("load_source must be 'signals' or 'router'")
+        if not self.tick_s > 0 or not self.discover_s > 0 or self.block_tokens < 1:
+            raise errors.InvalidArgument("tick_s and discover_s must be > 0, block_tokens >= 1")
+
+
+@dataclass
+class _Session:
+    owner: str
+    tokens: int = 0
+    last_active: float = 0.0
+    migrations: int = 0
+    inflight: int = 0
+    migrating: bool = False
+    keys: list[bytes] = field(default_factory=list)
+
+
+class Router:
+    def __init__(self, rt: Runtime, config: RouterConfig | None = None) -> None:
+        self.rt = rt
+        self.config = config or RouterConfig()
+        self.router_id = uuid.uuid4().hex[:8]
+        self._cv = threading.Condition()
+        self._endpoints: dict[str, str] = {}  # live instance -> HOST:PORT
+        self._reported: dict[str, tuple[int, int]] = {}  # instance -> (waiting, running)
+        self._inflight: dict[str, int] = {}
+        self._routed: dict[str, int] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._index = baselines.PrefixIndex()
+        self._rng = random.Random(self.config.seed)
+        self._last_rr: str | None = None
+        self._loads: dict[str, float] = {}  # Algorithm 1's EWMA state
+        self._last_tick: dict[str, Any] = {}
+        self._migrations: deque[dict] = deque(maxlen=MIGRATIONS_KEPT)
+        self._migrating = 0
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.errors = 0
+        self.waiting_turns = 0  # turns waiting for their session's migration to end
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, wait_for_instances_s: float = 0.0) -> Router:
+        self.discover()
+        deadline = time.monotonic() + wait_for_instances_s
+        while not self._endpoints and time.monotonic() < deadline:
+            if self._closed.wait(0.2):
+                break
+            self.discover()
+        loops = [("router-discover", self._discover_loop)]
+        if self.config.policy == "rebalance":
+            loops.append(("router-tick", self._tick_loop))
+        for name, target in loops:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._cv:
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=self.config.migration_deadline_ms / 1000 + 5)
+
+    def discover(self) -> None:
+        """Refresh the live instances (and their reported load) from the store's signals."""
+        try:
+            snapshot = self.rt.signals().list_instances()
+        except errors.TensorcastError as e:
+            log.warning("cannot list instances: %s", e)
+            return
+        wanted = set(self.config.instances)
+        live = {
+            i.instance_id: i
+            for i in snapshot
+            if i.alive and i.endpoint and (not wanted or i.instance_id in wanted)
+        }
+        with self._cv:
+            gone = set(self._endpoints) - set(live)
+            self._endpoints = {i: info.endpoint for i, info in live.items()}
+            self._reported = {i: (info.waiting, info.running) for i, info in live.items()}
+            for iid in gone:
+                self._index.forget(iid)
+            self._cv.notify_all()
+
+    def _discover_loop(self) -> None:
+        while not self._closed.wait(self.config.discover_s):
+            self.discover()
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _router_loads(self) -> dict[str, float]:
+        return {i: float(self._inflight.get(i, 0)) for i in self._endpoints}
+
+    def acquire(self, session: str, tokens: list[int]) -> tuple[str, str]:
+        """Choose the instance for one turn and count it in flight; pair with `release`."""
+        c = self.config
+        keys = (
+            baselines.prefix_keys(tokens, c.block_tokens)
+            if c.policy in ("rebalance", "cache-aware")
+            else []
+        )
+        deadline = time.monotonic() + c.migration_deadline_ms / 1000 + 5
+        with self._cv:
+            state = self._sessions.get(session)
+            while state is not None and state.migrating:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set():
+                    raise errors.Unavailable(f"session {session!r} is still migrating: retry")
+                self.waiting_turns += 1
+                try:
+                    self._cv.wait(left)
+                finally:
+                    self.waiting_turns -= 1
+            if not self._endpoints:
+                raise errors.Unavailable("no live instance with an HTTP endpoint to route to")
+            instances = list(self._endpoints)
+            loads = self._router_loads()
+            sticky = c.policy in ("rebalance", "cache-aware")
+            if sticky and state is not None and state.owner in self._endpoints:
+                target = state.owner
+            elif c.policy == "round-robin":
+                target = baselines.round_robin(instances, self._last_rr)
+                self._last_rr = target
+            elif c.policy == "load-aware":
+                target = baselines.power_of_two(instances, loads, self._rng)
+            else:
+                target = baselines.cache_aware(
+                    instances,
+                    loads,
+                    self._index,
+                    keys,
+                    c.cache_threshold,
+                    c.balance_abs,
+                    c.balance_rel,
+                )
+            if state is None:
+                state = self._sessions[session] = _Session(owner=target)
+            state.owner = target if sticky or state.inflight == 0 else state.owner
+            state.inflight += 1
+            state.tokens = len(tokens)
+            state.keys = keys
+            self._inflight[target] = self._inflight.get(target, 0) + 1
+            self._routed[target] = self._routed.get(target, 0) + 1
+            if keys:
+                self._index.insert(target, keys)
+            return target, self._endpoints[target]
+
+    def release(self, session: str, instance: str, total_tokens: int | None) -> None:
+        with self._cv:
+            self._inflight[instance] = max(0, self._inflight.get(instance, 0) - 1)
+            state = self._sessions.get(session)
+            if state is not None:
+                state.inflight = max(0, state.inflight - 1)
+                state.last_active = time.monotonic()
+                if total_tokens is not None:
+                    state.tokens = total_tokens
+            self._cv.notify_all()
+
+    # -- rebalancing (Algorithm 1) ---------------------------------------------------------
+
+    def _samples(self) -> list[LoadSample]:
+        if self.config.load_source == "router":
+            return [LoadSample(i, 0, self._inflight.get(i, 0)) for i in sorted(self._endpoints)]
+        return [LoadSample(i, *self._reported.get(i, (0, 0))) for i in sorted(self._endpoints)]
+
+    def tick_once(self) -> dict[str, Any]:
+        """One Algorithm 1 tick over the router's sessions; starts at most one migration."""
+        if self.config.load_source == "signals":
+            self.discover()  # the freshest load the store has
+        now = time.monotonic()
+        with self._cv:
+            requests = [
+                RequestState(
+                    sid,
+                    s.owner,
+                    s.tokens,
+                    s.last_active,
+                    s.migrations,
+                    running=s.inflight > 0,
+                    migrating=s.migrating,
+                )
+                for sid, s in self._sessions.items()
+                if s.owner in self._endpoints
+            ]
+            result = tick(self._loads, self._samples(), requests, now, self.config.params)
+            self._loads = result.loads
+            record = result.to_json()
+            record.pop("scores", None)
+            record["at"] = time.time()
+            decision = result.decision
+            if decision is not None and self._migrating:
+                record["skipped"] = "a migration is in flight"
+                decision = None
+            if decision is not None:
+                state = self._sessions[decision.req_id]
+                state.migrating = True
+                self._migrating += 1
+                key = decision_key(
+                    f"router-{self.router_id}",
+                    decision.req_id,
+                    decision.source,
+                    decision.target,
+                    state.migrations,
+                )
+                record["idempotency_key"] = key
+            self._last_tick = record
+        if decision is not None:
+            thread = threading.Thread(
+                target=self._migrate,
+                args=(decision.req_id, decision.source, decision.target, key),
+                name="router-migrate",
+                daemon=True,
+            )
+            thread.start()
+        return record
+
+    def _migrate(self, session: str, source: str, target: str, key: str) -> None:
+        from tensorcast.sdk.migrate import migrate
+
+        started = time.monotonic()
+        entry: dict[str, Any] = {
+            "req_id": session,
+            "source": source,
+            "target": target,
+            "key": key,
+            "at": time.time(),
+        }
+        moved = False
+        try:
+            plan = migrate(
+                self.rt,
+                session,
+                source,
+                target,
+                idempotency_key=key,
+                deadline_ms=self.config.migration_deadline_ms,
+            )
+            entry.update(summarize(plan))
+            moved = True
+        except errors.TensorcastError as e:
+            partial = getattr(e, "result", None) or {}
+            entry.update(summarize(partial) if partial else {})
+            entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+            moved = any(
+                s.get("op") == "hydrate" and s.get("status") == "ok"
+                for s in partial.get("steps", [])
+            )
+        except Exception as e:  # never leave the session stuck as migrating
+            entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+            log.exception("migration of %s failed", session)
+        entry["duration_s"] = round(time.monotonic() - started, 4)
+        with self._cv:
+            state = self._sessions.get(session)
+            if state is not None:
+                if moved:
+                    state.owner = target
+                    state.migrations += 1
+                    self._index.forget(source, state.keys)
+                    self._index.insert(target, state.keys)
+                state.migrating = False
+            self._migrating -= 1
+            self._migrations.appendleft(entry)
+            self._cv.notify_all()
+        log.info(
+            "migration %s %s -> %s: %s, %s bytes in %.3f s",
+            session,
+            source,
+            target,
+            entry.get("status"),
+            entry.get("bytes", 0),
+            entry["duration_s"],
+        )
+
+    def _tick_loop(self) -> None:
+        while not self._closed.wait(self.config.tick_s):
+            try:
+                self.tick_once()
+            except Exception:
+                self.errors += 1
+                log.exception("rebalance tick failed")
+
+    # -- state for tc top ------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        with self._cv:
+            owners: dict[str, int] = {}
+            for s in self._sessions.values():
+                owners[s.owner] = owners.get(s.owner, 0) + 1
+            instances = [
+                {
+                    "instance_id": iid,
+                    "endpoint": endpoint,
+                    "inflight": self._inflight.get(iid, 0),
+                    "reported_waiting": self._reported.get(iid, (0, 0))[0],
+                    "reported_running": self._reported.get(iid, (0, 0))[1],
+                    "ewma_load": round(self._loads.get(iid, 0.0), 3),
+                    "sessions": owners.get(iid, 0),
+                    "routed": self._routed.get(iid, 0),
+                }
+                for iid, endpoint in sorted(self._endpoints.items())
+            ]
+            migrations = list(self._migrations)
+            return {
+                "router_id": self.router_id,
+                "policy": self.config.policy,
+                "load_source": self.config.load_source,
+                "params": self.config.params.to_json(),
+                "instances": instances,
+                "sessions": len(self._sessions),
+                "migrations": migrations,
+                "migrations_ok": sum(m.get("status") == "ok" for m in migrations),
+                "migrated_bytes": sum(int(m.get("bytes", 0)) for m in migrations),
+                "last_tick": dict(self._last_tick),
+                "errors": self.errors,
+                "waiting_turns": self.waiting_turns,
+            }
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+    router: Router
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-reply is not an error worth printing (never print)."""
+        logging.getLogger("tensorcast.http").debug(
+            "request from %s failed", client_address, exc_info=True
+        )
+
+
+_STATUS = {
+    errors.InvalidArgument: 400,
+    errors.NotFound: 404,
+    errors.ResourceExhausted: 413,
+    errors.Unavailable: 503,
+    errors.DeadlineExceeded: 504,
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """The library never prints."""
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def _serve(self, method: str) -> None:
+        try:
+            reply = self._route(method)
+            if reply is None:
+                return
+            status = 200
+        except errors.TensorcastError as exc:
+            status = _STATUS.get(type(exc), 500)
+            reply = {"error": type(exc).__name__, "message": str(exc)}
+        except Exception as exc:
+            status = 500
+            reply = {"error": "TensorcastError", "message": f"{type(exc).__name__}: {exc}"}
+        self._send(status, json.dumps(reply).encode())
+
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        instance: str = "",
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        if instance:
+            self.send_header("X-TC-Instance", instance)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _route(self, method: str) -> Any:
+        router = self.server.router
+        path = self.path.split("?", 1)[0]
+        if method == "GET" and path in ("/health", "/health_generate"):
+            return {}
+        if method == "GET" and path == "/router/state":
+            return router.state()
+        if method == "GET" and path == "/get_load":
+            state = router.state()
+            return [{"dp_rank": 0, "num_reqs": sum(i["inflight"] for i in state["instances"])}]
+        if method == "POST" and path == "/generate":
+            return self._generate()
+        raise errors.NotFound(
+            f"no route {method} {path}: use POST /generate, GET /health, GET /router/state"
+        )
+
+    def _body(self) -> dict[str, Any]:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            raise errors.InvalidArgument("Content-Length is not a number") from None
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise errors.ResourceExhausted(f"request body over {MAX_BODY_BYTES} bytes")
+        raw = self.rfile.read(max(length, 0))
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"request body is not valid JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise errors.InvalidArgument("request body must be a JSON object")
+        return body
+
+    def _generate(self) -> dict | None:
+        from tensorcast.engine.sglang_api import session_of
+        from tensorcast.engine.sim import tokenize
+
+        router = self.server.router
+        body = self._body()
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise errors.InvalidArgument("give exactly one of 'text' or 'input_ids'")
+        if text is not None and not isinstance(text, str):
+            raise errors.InvalidArgument("'text' must be a string (batches are not supported)")
+        if ids is not None and (
+            not isinstance(ids, list) or not all(isinstance(t, int) for t in ids)
+        ):
+            raise errors.InvalidArgument("'input_ids' must be a list of ints")
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise errors.InvalidArgument("'rid' must be a string")
+        tokens = ids if ids is not None else tokenize(str(text), 1 << 31)
+        rid = rid or uuid.uuid4().hex
+        session = session_of(body, self.headers.get("X-Session-Id"), rid)
+        body["rid"] = rid
+        body["session_params"] = dict(body.get("session_params") or {}, id=session)
+        instance, endpoint = router.acquire(session, tokens)
+        total: int | None = None
+        try:
+            host, _, port = endpoint.rpartition(":")
+            conn = http.client.HTTPConnection(
+                host, int(port), timeout=router.config.request_timeout_s
+            )
+            try:
+                conn.request(
+                    "POST", "/generate", json.dumps(body), {"Content-Type": "application/json"}
+                )
+                upstream = conn.getresponse()
+                if body.get("stream") and upstream.status == 200:
+                    total = self._relay_stream(upstream, len(tokens), instance)
+                    return None
+                data = upstream.read()
+                if upstream.status == 200:
+                    total = len(tokens) + _completion_tokens(data)
+                content_type = upstream.getheader("Content-Type", "text/plain")
+                self._send(upstream.status, data, content_type, instance)
+                return None
+            finally:
+                conn.close()
+        except OSError as e:
+            raise errors.Unavailable(f"instance {instance} at {endpoint} failed: {e}") from None
+        finally:
+            router.release(session, instance, total)
+
+    def _relay_stream(
+        self, upstream: http.client.HTTPResponse, prompt_tokens: int, instance: str
+    ) -> int:
+        self.send_response(200)
+        self.send_header("X-TC-Instance", instance)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        total = prompt_tokens
+        event = b""
+        while True:
+            line = upstream.readline()
+            if not line:
+                break
+            event += line
+            if line in (b"\n", b"\r\n"):
+                if event.startswith(b"data: {"):
+                    total = prompt_tokens + _completion_tokens(event[6:])
+                self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                self.wfile.flush()
+                event = b""
+        self.wfile.write(b"0\r\n\r\n")
+        return total
+
+
+def _completion_tokens(data: bytes) -> int:
+    try:
+        return int(json.loads(data)["meta_info"]["completion_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+class RouterHTTPServer:
+    """Serves a Router on host:port (port 0: any free port, bound at construction)."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._httpd = _Server((host, port), _Handler)
+        self._httpd.router = router
+        self._thread: threading.Thread | None = None
+
+    @property
+    def addr(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"{host!s}:{port}"
+
+    def start(self) -> RouterHTTPServer:
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="tc-router-http", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()

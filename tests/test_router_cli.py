@@ -1,0 +1,333 @@
+"""`tc rebalance`, `tc router start` and the router view of `tc top` on a real cluster with
+emulated-engine instances (`tc instance start --engine sim`) in their own processes.
+
+Load is made deterministic: sim-a's decode step is modelled at 100 s (x1/1000 = 0.1 s real), so
+"hog" requests asking for 5000 tokens stay running for the whole module, while one-token turns
+finish at their prefill. No test waits for time to pass: every wait is for a condition."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from conftest import wait_until
+from test_json_shapes import _check as check_json_shape
+from test_router_sim import context, start_sim_instance
+
+from tensorcast import errors
+from tensorcast.engine.server import engine_request
+from tensorcast.router.policy import RebalanceParams
+from tensorcast.router.server import Router, RouterConfig, RouterHTTPServer
+
+
+def turn(endpoint: str, session: str, ids: list[int], n: int = 1, timeout_s: float = 60.0) -> dict:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n},
+        "session_params": {"id": session},
+    }
+    return engine_request(endpoint, "POST", "/generate", body, timeout_s=timeout_s)
+
+
+def sessions_on(endpoint: str) -> dict[str, dict]:
+    return {r["req_id"]: r for r in engine_request(endpoint, "GET", "/requests")["requests"]}
+
+
+@pytest.fixture(scope="module")
+def sims(cluster):
+    procs, endpoints = {}, {}
+    try:
+        for iid, worker, extra in (
+            ("sim-a", "worker-1", ["--cost", "decode_base_s=100"]),
+            ("sim-b", "worker-2", []),
+            ("sim-c", "worker-2", []),
+        ):
+            procs[iid], endpoints[iid] = start_sim_instance(cluster, iid, worker, *extra)
+        # Four requests that keep sim-a busy for the whole module (their clients give up).
+        for k in range(4):
+            with pytest.raises(errors.DeadlineExceeded):
+                turn(endpoints["sim-a"], f"hog-{k}", context(100 + k, 40), n=5000, timeout_s=0.5)
+        with cluster.connect() as rt:
+            wait_until(
+                lambda: (
+                    {i.instance_id: i.running for i in rt.instances() if i.alive}.items()
+                    >= {("sim-a", 4), ("sim-b", 0), ("sim-c", 0)}
+                ),
+                20,
+            )
+        yield endpoints, procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def test_rebalance_dry_run_then_move(cluster, sims):
+    endpoints, _ = sims
+    first = turn(endpoints["sim-a"], "victim", context(7, 300))
+    assert "victim" in sessions_on(endpoints["sim-a"])
+
+    proc = cluster.tc("rebalance", "--dry-run", "--json", check=True)
+    record = check_json_shape("rebalance", proc.stdout)
+    assert record["samples"] == {"sim-a": 4, "sim-b": 0, "sim-c": 0}
+    assert record["decision"]["req_id"] == "victim"
+    assert (record["decision"]["source"], record["decision"]["target"]) == ("sim-a", "sim-b")
+    assert record["idempotency_key"] == "rebalance/victim/sim-a->sim-b/0"
+    assert record["migration"] is None
+    assert "victim" in sessions_on(endpoints["sim-a"])  # dry run: nothing moved
+
+    proc = cluster.tc("rebalance", "--json", check=True)
+    record = json.loads(proc.stdout)
+    assert record["migration"]["status"] == "ok"
+    blocks = (364 + 1) // 8  # 364 prompt + 1 output tokens in blocks of 8
+    assert record["migration"]["bytes"] >= blocks * 8 * 64
+    assert [s["op"] for s in record["migration"]["steps"]] == [
+        "publish",
+        "prefetch_many",
+        "hydrate",
+        "evict",
+    ]
+    assert "victim" not in sessions_on(endpoints["sim-a"])
+    moved = sessions_on(endpoints["sim-b"])["victim"]
+    assert moved["migrations"] == 1 and moved["tokens"] == blocks * 8
+    nxt = turn(endpoints["sim-b"], "victim", context(7, 300) + first["output_ids"] + [1] * 20)
+    assert nxt["meta_info"]["cached_tokens"] == blocks * 8
+
+    # Still imbalanced, but nothing on sim-a is eligible (the hogs are running).
+    proc = cluster.tc("rebalance", check=True)
+    assert "no eligible request on sim-a" in proc.stdout
+
+    # --every with --ticks is bounded; each tick is one JSON line.
+    proc = cluster.tc("rebalance", "--every", "0.01", "--ticks", "2", "--dry-run", "--json")
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and [r["tick"] for r in lines] == [1, 2]
+
+
+def test_rebalance_bad_input(cluster, sims):
+    proc = cluster.tc("rebalance", "--instance", "no-such-instance")
+    assert proc.returncode == 4 and "no instance 'no-such-instance'" in proc.stderr
+    proc = cluster.tc("rebalance", "--alpha", "0")
+    assert proc.returncode == 3 and "alpha" in proc.stderr
+
+
+@pytest.fixture
+def router(cluster, sims):
+    made = []
+
+    def make(**kwargs):
+        rt = cluster.connect()
+        config = RouterConfig(
+            tick_s=3600.0,  # ticks are run by the test
+            params=RebalanceParams(theta_abs=2.0, theta_rel=1.5),
+            block_tokens=8,
+            **kwargs,
+        )
+        r = Router(rt, config).start(wait_for_instances_s=10)
+        http = RouterHTTPServer(r).start()
+        made.append((r, http, rt))
+        return r, http.addr
+
+    yield make
+    for r, http, rt in made:
+        http.close()
+        r.close()
+        rt.close()
+
+
+def routed(addr: str, session: str, ids: list[int]) -> tuple[str, dict]:
+    import http.client
+
+    conn = http.client.HTTPConnection(*addr.split(":"), timeout=60)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "session_id": session}
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = json.loads(response.read())
+    assert response.status == 200, data
+    return response.getheader("X-TC-Instance"), data
+
+
+def test_router_rebalance_moves_a_session_and_a_racing_turn_waits(
+    cluster, sims, router, monkeypatch
+):
+    endpoints, _ = sims
+    r, addr = router(policy="rebalance", instances=("sim-a", "sim-b"))
+    # Place a new session: every index is empty, so the smallest id (sim-a) takes it.
+    ids = context(31, 200)
+    where, first = routed(addr, "s-31", ids)
+    assert where == "sim-a"
+    where, again = routed(addr, "s-31", ids + first["output_ids"])
+    assert where == "sim-a" and again["meta_info"]["cached_tokens"] > 0  # sticky + cache hit
+
+    # Hold the migration at its start so that a turn can race it.
+    import tensorcast.sdk.migrate as migrate_module
+
+    release = threading.Event()
+    real = migrate_module.migrate
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(migrate_module, "migrate", held)
+    record = r.tick_once()
+    assert record["decision"]["req_id"] == "s-31"
+    assert (record["decision"]["source"], record["decision"]["target"]) == ("sim-a", "sim-b")
+
+    result: dict = {}
+    context2 = ids + first["output_ids"] + again["output_ids"] + [2] * 30
+    racer = threading.Thread(
+        target=lambda: result.update(zip(("where", "reply"), routed(addr, "s-31", context2)))
+    )
+    racer.start()
+    wait_until(lambda: r.state()["waiting_turns"] == 1, 20)
+    assert not result  # it waits for the migration, it did not go to the source
+    release.set()
+    racer.join(60)
+    assert result["where"] == "sim-b"
+    assert result["reply"]["meta_info"]["cached_tokens"] >= len(ids)  # the moved KV, a hit
+    state = r.state()
+    (move,) = state["migrations"]
+    assert move["status"] == "ok" and move["bytes"] > 0 and move["req_id"] == "s-31"
+    assert "s-31" not in sessions_on(endpoints["sim-a"])
+    # The record is what `tc router state` prints.
+    proc = cluster.tc("router", "state", "--router", addr, "--json", check=True)
+    assert check_json_shape("router state", proc.stdout)["migrations"][0]["key"] == move["key"]
+    proc = cluster.tc("router", "state", "--router", addr, check=True)
+    assert "s-31" in proc.stdout and "sim-a -> sim-b" in proc.stdout
+
+
+def test_baseline_policies_spread_or_stick(cluster, sims, router):
+    _, rr_addr = router(policy="round-robin", instances=("sim-b", "sim-c"))
+    picks = [routed(rr_addr, f"rr-{k}", context(200 + k, 20))[0] for k in range(4)]
+    assert picks == ["sim-b", "sim-c", "sim-b", "sim-c"]
+    cache_router, ca_addr = router(policy="cache-aware", instances=("sim-b", "sim-c"))
+    ids = context(300, 100)
+    first, reply = routed(ca_addr, "ca-1", ids)
+    second, _ = routed(ca_addr, "ca-1", ids + reply["output_ids"] + [4] * 10)
+    assert first == second
+    assert cache_router.state()["sessions"] == 1
+    la_router, la_addr = router(policy="load-aware", instances=("sim-a", "sim-b"))
+    where, _ = routed(la_addr, "la-1", context(301, 10))
+    assert where in ("sim-a", "sim-b") and la_router.state()["instances"][0]["routed"] >= 0
+
+
+def test_router_rejects_malformed_requests(cluster, sims, router):
+    import http.client
+
+    _, addr = router(policy="round-robin", instances=("sim-b",))
+    for body, status in (
+        (b"{nope", 400),
+        (b"[]", 400),
+        (json.dumps({"sampling_params": {}}).encode(), 400),
+        (json.dumps({"input_ids": "abc"}).encode(), 400),
+        (json.dumps({"input_ids": [1, 2], "rid": 5}).encode(), 400),
+    ):
+        conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
+        conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        reply = json.loads(response.read())
+        assert response.status == status and reply["error"] == "InvalidArgument", body
+    conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
+    conn.request("GET", "/nope")
+    assert conn.getresponse().status == 404
+    proc = cluster.tc("router", "start", "--policy", "fastest")
+    assert proc.returncode == 3 and "unknown policy" in proc.stderr
+    proc = cluster.tc("router", "state", "--router", "127.0.0.1:1")
+    assert proc.returncode == 7
+
+
+def test_dead_target_mid_migration_leaves_the_session_on_its_source(
+    cluster, sims, router, monkeypatch
+):
+    """Runs last in the module: it kills sim-c."""
+    endpoints, procs = sims
+    r, addr = router(policy="rebalance", instances=("sim-a", "sim-c"))
+    ids = context(41, 120)
+    where, first = routed(addr, "s-41", ids)
+    assert where == "sim-a"
+
+    import tensorcast.sdk.migrate as migrate_module
+
+    release = threading.Event()
+    real = migrate_module.migrate
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(migrate_module, "migrate", held)
+    record = r.tick_once()
+    assert record["decision"]["target"] == "sim-c"
+    procs["sim-c"].kill()  # the target dies before the plan reaches it
+    procs["sim-c"].wait(10)
+    release.set()
+    wait_until(lambda: r.state()["migrations"], 60)
+    (move,) = r.state()["migrations"]
+    assert move["status"] == "failed"
+    # Never lost: the source still holds it and the next turn goes there, with its cache.
+    assert "s-41" in sessions_on(endpoints["sim-a"])
+    where, reply = routed(addr, "s-41", ids + first["output_ids"] + [5] * 10)
+    assert where == "sim-a" and reply["meta_info"]["cached_tokens"] >= 120
+
+
+def test_top_router_view():
+    """The router tabs render the state a router serves (fixed data, pilot test)."""
+    import asyncio
+
+    from tensorcast.tui.snapshot import ClusterSnapshot
+    from tensorcast.tui.top import TopApp
+
+    state = {
+        "router_id": "r1",
+        "policy": "rebalance",
+        "load_source": "signals",
+        "sessions": 3,
+        "migrations_ok": 1,
+        "migrated_bytes": 3 << 20,
+        "instances": [
+            {
+                "instance_id": "sim-a",
+                "inflight": 4,
+                "reported_waiting": 1,
+                "reported_running": 4,
+                "ewma_load": 4.5,
+                "sessions": 2,
+                "routed": 9,
+            }
+        ],
+        "migrations": [
+            {
+                "req_id": "s-1",
+                "source": "sim-a",
+                "target": "sim-b",
+                "status": "ok",
+                "bytes": 3 << 20,
+                "duration_s": 0.25,
+                "at": 990.0,
+                "key": "router-r1/s-1/sim-a->sim-b/0",
+            }
+        ],
+    }
+
+    class Source:
+        def fetch(self):
+            return ClusterSnapshot(1000.0, "store:1", router=state)
+
+    async def run():
+        app = TopApp(Source(), interval_s=3600, clock=lambda: 1000.0, show_router=True)  # type: ignore[arg-type]
+        async with app.run_test() as pilot:
+            await pilot.pause()
+            await pilot.press("6")
+            await pilot.pause()
+            table = app.tables["router"]
+            assert table.get_row_at(0) == ["sim-a", "4", "1+4", "4.50", "2", "9"]
+            await pilot.press("7")
+            await pilot.pause()
+            row = app.tables["migrations"].get_row_at(0)
+            assert row[:6] == ["s-1", "sim-a", "sim-b", "ok", "3.0 MiB", "0.250s"]
+            assert row[6] == "10s ago"
+            assert "1 migrations" in str(app.status.content)
+
+    asyncio.run(run())
