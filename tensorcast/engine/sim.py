@@ -804,6 +804,8 @@ class SimEngine(InstanceAdaptor):
                 "cache_evictions": self.cache.evictions,
                 "counters": dict(self.counters),
                 "shared_store": getattr(self.kv_store, "name", None),
+                "shared_store_put_bytes": getattr(self.kv_store, "put_bytes", 0),
+                "shared_store_dropped_writes": getattr(self.kv_store, "dropped_writes", 0),
             }
 
 
