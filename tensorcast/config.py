@@ -75,6 +75,17 @@ def parse_host_port(text: str, default_port: int = 0) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def parse_store_addrs(addrs: str) -> list[str]:
+    """ "h1:7400,h2:7400" -> ["h1:7400", "h2:7400"]: the members of a Global Store."""
+    members = [a.strip() for a in addrs.split(",") if a.strip()]
+    if not members:
+        raise InvalidArgument(f"no store address in {addrs!r}: use HOST:PORT[,HOST:PORT...]")
+    for member in members:
+        if parse_host_port(member)[1] == 0:
+            raise InvalidArgument(f"bad store address {member!r}: use HOST:PORT, e.g. h1:7400")
+    return members
+
+
 def default_state_dir() -> Path:
     if env := os.environ.get("TC_STATE_DIR"):
         return Path(env)

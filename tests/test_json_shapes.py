@@ -64,6 +64,7 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         out = tmp_path / "out.safetensors"
         _check("get", c.tc("get", "shape", "-o", str(out), "--json", check=True).stdout)
         _check("rm", c.tc("rm", "shape", "--json", check=True).stdout)
+        _check("rm --lost", c.tc("rm", "--lost", "--dry-run", "--json", check=True).stdout)
         weights = ("--model", "shape-model", "--json")
         _check(
             "weights publish",
@@ -92,6 +93,7 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         "ls",
         "show",
         "rm",
+        "rm --lost",
         "prefetch",
         "pin",
         "unpin",
@@ -108,6 +110,9 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         "migrate",
         "instances",
         "plans",
+        # checked in test_router_cli.py
+        "rebalance",
+        "router state",
     }
 
 

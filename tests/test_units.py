@@ -261,3 +261,12 @@ def test_if_absent_keeps_only_a_live_home_page():
     assert held() == b"newer!" and pages.stats()["pages"] == 1
     pages.close()
     pool.close()
+
+
+def test_store_addresses_are_a_list_of_host_ports():
+    from tensorcast.config import parse_store_addrs
+
+    assert parse_store_addrs("h1:7400, h2:7401,") == ["h1:7400", "h2:7401"]
+    for bad in ("", " , ", "h1:7400,h2", "h1:x", "h1:70000"):
+        with pytest.raises(InvalidArgument):
+            parse_store_addrs(bad)

@@ -24,7 +24,7 @@ AddrOpt = Annotated[
     str | None,
     typer.Option(
         "--addr",
-        help="Global Store HOST:PORT of another cluster (env TC_ADDR).",
+        help="Global Store HOST:PORT of another cluster, or its members H1:P1,H2:P2 (env TC_ADDR).",
         show_default=False,
     ),
 ]

@@ -56,7 +56,7 @@ def command(
             str(len(a.tensors)),
             a.owner,
             f"{a.expires_at - now:.0f}s" if a.expires_at else "-",
-            str(len(a.replicas)),
+            str(len(a.replicas)) if a.replicas else "0 (lost)",
             a.content_id[:15],
         ]
         for a in infos
@@ -71,4 +71,5 @@ def command(
 def _with_names(artifact: dict, names: dict[str, str]) -> dict:
     for replica in artifact["replicas"]:
         replica["worker"] = names.get(replica["worker_id"], "")
+    artifact["lost"] = not artifact["replicas"]  # no live copy: `tc rm --lost` removes these
     return artifact

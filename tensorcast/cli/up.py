@@ -1,40 +1,63 @@
 """Start a local cluster (a Global Store and N workers) in the background.
 
-Running it again while the cluster is up does nothing and reports the running cluster.
+Running it again brings back whatever is missing: the store at its old address (on the same
+database) and workers under their old names; processes still running are kept. Without
+options it starts what was asked for last time in this state dir.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from tensorcast.cli.common import JsonOpt, StateDirOpt, emit, state_dir_of
-from tensorcast.config import DEFAULT_WORKER_MEM
 
 NAME = "up"
 
 
 def command(
     workers: Annotated[
-        int, typer.Option("--workers", "-n", min=1, max=64, help="Number of workers.")
-    ] = 1,
+        int | None,
+        typer.Option(
+            "--workers",
+            "-n",
+            min=1,
+            max=64,
+            help="Number of workers (default: as last time, or 1).",
+        ),
+    ] = None,
     mem: Annotated[
-        str, typer.Option("--mem", help="Pool size per worker, e.g. 2GiB.")
-    ] = DEFAULT_WORKER_MEM,
+        str | None,
+        typer.Option(
+            "--mem", help="Pool size per worker, e.g. 2GiB (default: as last time, or 1GiB)."
+        ),
+    ] = None,
+    disk: Annotated[
+        Path | None,
+        typer.Option(
+            "--disk",
+            help="Give every worker a disk tier in DIR/<worker name>: what a worker holds is "
+            "written there when it stops and served again after the next tc up.",
+        ),
+    ] = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     from tensorcast.config import parse_size
     from tensorcast.sdk.local_cluster import up
 
-    parse_size(mem)  # a bad size fails here, before anything starts
-    result = up(state_dir_of(state_dir), workers, mem)
+    if mem is not None:
+        parse_size(mem)  # a bad size fails here, before anything starts
+    result = up(state_dir_of(state_dir), workers, mem, disk=disk)
     r = result.record
     data = {
         "already_running": result.already_running,
         "state_dir": str(result.state_dir),
         "store_addr": r.store_addr,
+        "started": result.started,
+        "adopted": result.adopted,
         "processes": [
             {
                 "role": p.role,
@@ -47,7 +70,12 @@ def command(
             for p in r.processes
         ],
     }
-    verb = "already running" if result.already_running else "started"
+    if result.already_running:
+        verb = "already running"
+    elif result.adopted:
+        verb = f"restarted {', '.join(result.started)}; kept {', '.join(result.adopted)}"
+    else:
+        verb = "started"
     lines = [f"cluster {verb}: store {r.store_addr}, state dir {result.state_dir}"]
     lines += [
         f"  {p.name:<10} pid {p.pid:<8} {p.addr:<22} metrics http://{p.metrics_addr}/metrics"

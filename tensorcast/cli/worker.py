@@ -24,7 +24,13 @@ app = typer.Typer(help="Run a worker (holds a slice of the tensor pool).", no_ar
 
 @app.command("start")
 def start(
-    store: Annotated[str, typer.Option("--store", help="Global Store HOST:PORT.")],
+    store: Annotated[
+        str,
+        typer.Option(
+            "--store",
+            help="Global Store HOST:PORT, or several members H1:P1,H2:P2 (tried in turn).",
+        ),
+    ],
     listen: Annotated[
         str, typer.Option("--listen", help="HOST:PORT for the worker's gRPC service.")
     ] = "127.0.0.1:0",
@@ -61,13 +67,13 @@ def start(
     registered with the Global Store and heartbeating."""
     import logging
 
-    from tensorcast.config import env_token, parse_host_port, parse_size, timing
+    from tensorcast.config import env_token, parse_host_port, parse_size, parse_store_addrs, timing
     from tensorcast.errors import InvalidArgument
     from tensorcast.sdk.cluster_file import read_token
     from tensorcast.worker.server import parse_roles, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parse_host_port(store)
+    parse_store_addrs(store)
     parse_host_port(listen)
     mem_bytes = parse_size(mem)
     role_list = parse_roles(roles)

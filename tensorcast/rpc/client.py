@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tensorcast.config import MAX_MESSAGE_BYTES
+from tensorcast.config import MAX_MESSAGE_BYTES, parse_store_addrs
 from tensorcast.errors import Unavailable, error_for_grpc_code
 from tensorcast.rpc.server import ERROR_MARK, TOKEN_METADATA_KEY
 
@@ -34,10 +34,15 @@ def translate(error: grpc.RpcError, target: str) -> Exception:
     if details and details.startswith(ERROR_MARK):
         return error_for_grpc_code(code_name)(details[len(ERROR_MARK) :])
     if code_name == "UNAVAILABLE":
-        return Unavailable(f"cannot reach {target}: {details}. Is it running? (tc status)")
+        return Unreachable(f"cannot reach {target}: {details}. Is it running? (tc status)")
     if code_name == "DEADLINE_EXCEEDED":
         details = f"{target} did not answer in time: {details}"
     return error_for_grpc_code(code_name)(details)
+
+
+class Unreachable(Unavailable):
+    """The peer could not be reached at all (connection refused, reset, no route): another
+    member of a replicated service may answer instead."""
 
 
 class Stub:
@@ -62,3 +67,49 @@ class Stub:
             yield from fn(request, metadata=self._metadata, timeout=timeout_s or self._timeout_s)
         except grpc.RpcError as e:
             raise translate(e, self._target) from None
+
+
+class FailoverStub:
+    """A replicated service at several addresses: each call goes to the member that answered
+    last; a member that cannot be reached is skipped, each member tried once per call. Members
+    must serve the same state (Global Store processes over one etcd cluster, or one store
+    restarted at another address), so a call retried on another is safe: the store's calls are
+    idempotent or refuse a repeat."""
+
+    def __init__(
+        self,
+        addrs: str,
+        make_stub: Callable[[grpc.Channel], Any],
+        what: str,
+        token: str,
+        timeout_s: float,
+    ) -> None:
+        self.addrs = parse_store_addrs(addrs)
+        self._channels = [make_channel(a) for a in self.addrs]
+        self._stubs = [
+            Stub(make_stub(c), f"{what} {a}", token, timeout_s)
+            for a, c in zip(self.addrs, self._channels)
+        ]
+        self._current = 0
+
+    @property
+    def current_addr(self) -> str:
+        return self.addrs[self._current]
+
+    def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        first = self._current
+        for i in range(len(self._stubs)):
+            k = (first + i) % len(self._stubs)
+            try:
+                reply = self._stubs[k].call(method, request, timeout_s)
+            except Unreachable:
+                if i == len(self._stubs) - 1:
+                    raise
+                continue
+            self._current = k
+            return reply
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()

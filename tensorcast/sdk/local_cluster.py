@@ -14,16 +14,18 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
+from tensorcast.config import DEFAULT_WORKER_MEM
 from tensorcast.errors import NotFound, TensorcastError, Unavailable
 from tensorcast.sdk.cluster_file import ClusterRecord, ProcessRecord, read_token, write_token
 
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 60.0  # a worker with a disk tier writes its memory out first
+LAYOUT_FILE = "layout.json"
 
 
 @contextmanager
@@ -102,96 +104,162 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> dict:
     raise Unavailable(f"{log.stem} did not become ready within {START_TIMEOUT_S:.0f}s; see {log}")
 
 
-def _running(state_dir: Path) -> ClusterRecord | None:
-    record = ClusterRecord.load(state_dir)
-    if record is None:
-        return None
-    store = next((p for p in record.processes if p.role == "store"), None)
-    if store is None or not _is_ours(store.pid):
-        return None
-    return record
-
-
 @dataclass
 class UpResult:
     record: ClusterRecord
     already_running: bool
     state_dir: Path
+    started: list[str] = field(default_factory=list)  # processes started now, by name
+    adopted: list[str] = field(default_factory=list)  # found running and kept
 
 
-def up(state_dir: Path, workers: int, mem: str, listen_host: str = "127.0.0.1") -> UpResult:
-    """Start a store and `workers` workers unless this state dir already runs a cluster."""
+@dataclass
+class Layout:
+    """What `tc up` was asked for last time (state_dir/layout.json): a later `tc up` without
+    options brings back the same cluster, with its store at the same address."""
+
+    workers: int = 1
+    mem: str = DEFAULT_WORKER_MEM
+    disk: str = ""  # workers keep their disk tier in DISK/<worker name>
+    store_addr: str = ""
+
+    @classmethod
+    def load(cls, state_dir: Path) -> Layout:
+        try:
+            return cls(**json.loads((state_dir / LAYOUT_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return cls()
+
+    def save(self, state_dir: Path) -> None:
+        tmp = state_dir / (LAYOUT_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, state_dir / LAYOUT_FILE)
+
+
+def up(
+    state_dir: Path,
+    workers: int | None = None,
+    mem: str | None = None,
+    listen_host: str = "127.0.0.1",
+    disk: Path | None = None,
+) -> UpResult:
+    """Bring up a store and `workers` workers (by default as last time in this state dir).
+
+    The store comes back at the address it had, on the same database, so workers that outlived
+    it reconnect and report their inventory again. Processes of the cluster still running are
+    adopted, never started twice; missing workers start under their old names (with a disk
+    tier, what they held is readable again)."""
     state_dir = state_dir.resolve()  # the processes run in state_dir/run
     with _state_lock(state_dir):
-        existing = _running(state_dir)
-        if existing is not None:
-            return UpResult(existing, True, state_dir)
+        layout = Layout.load(state_dir)
+        layout.workers = workers or layout.workers
+        layout.mem = mem or layout.mem
+        layout.disk = str(disk.resolve()) if disk else layout.disk
+        previous = ClusterRecord.load(state_dir)
+        live = {p.name: p for p in (previous.processes if previous else []) if _is_ours(p.pid)}
+        names = ["store"] + [f"worker-{i + 1}" for i in range(layout.workers)]
+        if previous is not None and all(n in live for n in names):
+            return UpResult(previous, True, state_dir, adopted=names)
         token = read_token(state_dir) or secrets.token_urlsafe(32)
         write_token(state_dir, token)
         (state_dir / "logs").mkdir(exist_ok=True)
         (state_dir / "run").mkdir(exist_ok=True)
-        started: list[subprocess.Popen] = []
+        result = UpResult(ClusterRecord("", time.time()), False, state_dir)
+        spawned: list[subprocess.Popen] = []
         try:
-            log = state_dir / "logs" / "store.log"
-            proc = _spawn(
-                [
-                    "store",
-                    "start",
-                    "--db",
-                    str(state_dir / "store.db"),
-                    "--listen",
-                    f"{listen_host}:0",
-                ],
-                log,
-                token,
-                state_dir / "run" / "store.json",
-            )
-            started.append(proc)
-            info = _wait_ready(proc, state_dir / "run" / "store.json", log)
-            store_addr = info["addr"]
-            record = ClusterRecord(store_addr, time.time())
-            record.processes.append(
-                ProcessRecord(
-                    "store", "store", proc.pid, store_addr, str(log), info["metrics_addr"]
-                )
-            )
+            if "store" in live:
+                store = live["store"]
+                result.adopted.append("store")
+            else:
+                store = _start_store(state_dir, layout, listen_host, token, bool(live), spawned)
+                result.started.append("store")
+            result.record.store_addr = layout.store_addr = store.addr
+            result.record.processes.append(store)
+            layout.save(state_dir)
+            _forget_dead_workers(store.addr, token, [n for n in names[1:] if n not in live])
             pending = []
-            for i in range(workers):
-                name = f"worker-{i + 1}"
-                log = state_dir / "logs" / f"{name}.log"
-                ready = state_dir / "run" / f"{name}.json"
-                proc = _spawn(
-                    [
-                        "worker",
-                        "start",
-                        "--store",
-                        store_addr,
-                        "--listen",
-                        f"{listen_host}:0",
-                        "--mem",
-                        mem,
-                        "--name",
-                        name,
-                    ],
-                    log,
-                    token,
-                    ready,
-                )
-                started.append(proc)
-                pending.append((name, proc, ready, log))
+            for name in names[1:]:
+                if name in live:
+                    result.adopted.append(name)
+                    result.record.processes.append(live[name])
+                    continue
+                args = ["--store", store.addr, "--listen", f"{listen_host}:0", "--mem", layout.mem]
+                if layout.disk:
+                    args += ["--disk", str(Path(layout.disk) / name)]
+                pending.append(_start_worker(state_dir, name, args, token, spawned))
             for name, proc, ready, log in pending:  # workers pre-fault their pools in parallel
                 info = _wait_ready(proc, ready, log)
-                record.processes.append(
+                result.started.append(name)
+                result.record.processes.append(
                     ProcessRecord(
                         "worker", name, proc.pid, info["addr"], str(log), info["metrics_addr"]
                     )
                 )
-            record.save(state_dir)
-            return UpResult(record, False, state_dir)
+            result.record.save(state_dir)
+            return result
         except BaseException:
-            for proc in started:
+            for proc in spawned:
                 proc.kill()
             raise
+
+
+def _start_store(
+    state_dir: Path,
+    layout: Layout,
+    listen_host: str,
+    token: str,
+    workers_live: bool,
+    spawned: list[subprocess.Popen],
+) -> ProcessRecord:
+    """The store at its old address (its live workers beat there); with none of its workers
+    alive a new port does as well when the old one is taken meanwhile."""
+    log = state_dir / "logs" / "store.log"
+    ready = state_dir / "run" / "store.json"
+    db = str(state_dir / "store.db")
+    listens = [layout.store_addr] if layout.store_addr else []
+    if not (listens and workers_live):
+        listens.append(f"{listen_host}:0")
+    for i, listen in enumerate(listens):
+        proc = _spawn(["store", "start", "--db", db, "--listen", listen], log, token, ready)
+        spawned.append(proc)
+        try:
+            info = _wait_ready(proc, ready, log)
+        except TensorcastError:
+            if i == len(listens) - 1:
+                raise
+            continue
+        return ProcessRecord(
+            "store", "store", proc.pid, info["addr"], str(log), info["metrics_addr"]
+        )
+    raise AssertionError("unreachable")
+
+
+def _start_worker(
+    state_dir: Path, name: str, args: list[str], token: str, spawned: list[subprocess.Popen]
+) -> tuple[str, subprocess.Popen, Path, Path]:
+    log = state_dir / "logs" / f"{name}.log"
+    ready = state_dir / "run" / f"{name}.json"
+    proc = _spawn(["worker", "start", *args, "--name", name], log, token, ready)
+    spawned.append(proc)
+    return name, proc, ready, log
+
+
+def _forget_dead_workers(store_addr: str, token: str, names: list[str]) -> None:
+    """Workers of this host about to start again under their old names: their processes are
+    gone (checked by pid), so their registrations go too rather than hold the names until
+    their heartbeats expire. A live worker of such a name stays (the new one is refused)."""
+    from tensorcast.proto import tensorcast_pb2 as pb
+    from tensorcast.sdk.runtime import Runtime
+
+    if not names:
+        return
+    rt = Runtime(store_addr, token, 10.0)
+    try:
+        for w in rt.workers():
+            if w.name in names and rt.is_local(w) and not _is_ours(w.pid):
+                rt.store.call("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=w.worker_id))
+    finally:
+        rt.close()
 
 
 def _extra_local_workers(state_dir: Path, record: ClusterRecord) -> list[ProcessRecord]:

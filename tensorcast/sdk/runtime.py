@@ -15,7 +15,7 @@ from tensorcast.errors import InvalidArgument, NotFound, Unavailable
 from tensorcast.placement import order_sources, order_targets
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
-from tensorcast.rpc.client import Stub, make_channel
+from tensorcast.rpc.client import FailoverStub, Stub, make_channel
 from tensorcast.rpc.convert import (
     artifact_from_pb,
     instance_from_pb,
@@ -71,7 +71,7 @@ def connect(
                 f"no local cluster in {directory}: run `tc up`, or pass --addr / set TC_ADDR"
             )
         addr = record.store_addr
-    config.parse_host_port(addr)
+    config.parse_store_addrs(addr)
     token = token or config.env_token() or read_token(directory)
     if not token:
         raise InvalidArgument("no cluster token: pass --token, set TC_TOKEN, or use the state dir")
@@ -86,9 +86,8 @@ class Runtime:
         self.token = token
         self.timeout_s = timeout_s
         self.host_id = config.host_id()
-        self._channel = make_channel(store_addr)
-        self.store = Stub(
-            pb_grpc.GlobalStoreStub(self._channel), f"global store {store_addr}", token, timeout_s
+        self.store = FailoverStub(
+            store_addr, pb_grpc.GlobalStoreStub, "global store", token, timeout_s
         )
         self._worker_stubs: dict[str, tuple[Any, Stub, str]] = {}
         self._local: dict[str, LocalConnection] = {}
@@ -197,7 +196,7 @@ class Runtime:
                 channel.close()
             self._local.clear()
             self._worker_stubs.clear()
-        self._channel.close()
+        self.store.close()
 
     def __enter__(self) -> Runtime:
         return self
@@ -376,6 +375,20 @@ class Runtime:
         """Forget `art_id`; its memory is freed once no artifact shares the content and no caller
         still maps it (tensors already materialized stay valid)."""
         self.store.call("DeleteArtifact", pb.ArtifactRequest(art_id=art_id))
+
+    def delete_lost(self, prefix: str = "", *, dry_run: bool = False) -> list[str]:
+        """Delete the artifacts (ids starting with `prefix`) that no live worker holds a copy
+        of: their bytes are gone (every worker that held them died or stopped without a disk
+        tier). Returns their ids; `dry_run` only lists them. A worker that is restarting and
+        has not reported yet makes its artifacts look lost: run this once the cluster is up."""
+        lost = [a.art_id for a in self.list_artifacts(prefix) if not a.replicas]
+        if not dry_run:
+            for art_id in lost:
+                try:
+                    self.delete(art_id)
+                except NotFound:
+                    pass  # deleted meanwhile
+        return lost
 
     def renew(self, art_id: str, ttl_s: float) -> ArtifactInfo:
         return artifact_from_pb(

@@ -74,7 +74,20 @@ class SqliteStore:
     # -- workers -------------------------------------------------------------------------------
 
     def register_worker(self, reg: WorkerRegistration, now: float) -> None:
+        """Record a worker. A name belongs to one live worker at a time: a second process under
+        the name of a worker that still heartbeats is refused (AlreadyExists)."""
         with self._lock, self.db.conn:
+            twin = self.db.execute(
+                "SELECT addr, pid, last_heartbeat FROM workers WHERE name = ? AND worker_id != ? "
+                "AND last_heartbeat >= ?",
+                [reg.name, reg.worker_id, now - self.heartbeat_ttl_s],
+            ).fetchone()
+            if twin is not None:
+                raise AlreadyExists(
+                    f"a worker named {reg.name!r} ({twin[0]}, pid {twin[1]}) heartbeated "
+                    f"{now - twin[2]:.1f}s ago: stop it first (tc worker stop), choose another "
+                    f"--name, or, if it died, start again after {self.heartbeat_ttl_s:.0f}s"
+                )
             self.db.table("workers").upsert(
                 {
                     "worker_id": reg.worker_id,

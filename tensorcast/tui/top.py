@@ -262,7 +262,7 @@ class TopApp(App[None]):
                         str(len(a.tensors)),
                         a.owner,
                         f"{a.expires_at - now:.0f}s" if a.expires_at else "-",
-                        str(len(a.replicas)),
+                        str(len(a.replicas)) if a.replicas else "0 lost",
                         pinned or "-",
                     ],
                 )

@@ -20,7 +20,7 @@ from tensorcast.errors import (
 )
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
-from tensorcast.rpc.client import Stub, make_channel
+from tensorcast.rpc.client import FailoverStub, Stub, make_channel
 from tensorcast.rpc.convert import (
     instance_to_pb,
     shard_table_from_pb,
@@ -40,6 +40,7 @@ log = logging.getLogger("tensorcast.worker")
 
 HANDOFFS_PER_BEAT = 2  # shards given to a newly joined home per heartbeat (spreads the copying)
 REFRESH_MIN_INTERVAL_S = 0.05
+HEARTBEAT_BACKOFF = 2.0  # most intervals between beats while the store is unreachable
 LOAD_LOCKS = 64
 
 ROLES = ("basic", "gateway", "shard-home")
@@ -79,12 +80,9 @@ class WorkerNode:
         self.leases = LeaseCache(self.worker_id, self.pages.index.set_leases)
         self.instances = Instances(self.worker_id, self.name)
         self.instances.on_change = self._report_soon
-        self._channel = make_channel(store_addr)
-        self.store = Stub(
-            pb_grpc.GlobalStoreStub(self._channel),
-            f"global store {store_addr}",
-            token,
-            rpc_timeout_s,
+        # One address, or several members of a replicated store ("h1:7400,h2:7400").
+        self.store = FailoverStub(
+            store_addr, pb_grpc.GlobalStoreStub, "global store", token, rpc_timeout_s
         )
         self._stop = threading.Event()
         self.last_heartbeat_ok = time.monotonic()
@@ -172,6 +170,30 @@ class WorkerNode:
             + ("" if self.disk else " and this worker has no --disk tier")
             + ")"
         )
+
+    def persist(self) -> int:
+        """A planned stop with a disk tier: write every content held only in memory to disk,
+        so that the worker started next on this directory serves it again (its heartbeats
+        report the files). Contents read from files by reference are not copied. Returns how
+        many were written."""
+        if self.disk is None:
+            return 0
+        on_disk = set(self.disk.content_ids())
+        written = 0
+        for content_id in self.pool.stats().content_ids:
+            if content_id in on_disk or self.references.get(content_id) is not None:
+                continue
+            try:
+                content = self.pool.hold(content_id)
+            except NotFound:
+                continue  # dropped meanwhile
+            try:
+                region = self.pool.region(content.offset, content.size_bytes)
+                self.disk.save(content_id, content.tensors, region)
+            finally:
+                self.pool.release(content)
+            written += 1
+        return written
 
     def _spill(self, content_id: str) -> bool:
         """Move a content from memory to the disk tier; False if it is in use meanwhile."""
@@ -472,14 +494,25 @@ class WorkerNode:
                 log.info("now home of shards %s", got)
 
     def heartbeat_loop(self, interval_s: float, on_tick: Callable[[], None]) -> None:
+        """Heartbeat every `interval_s`. While the store cannot be reached the worker keeps
+        serving what it holds and beats at a slower pace (at most HEARTBEAT_BACKOFF times the
+        interval apart), logging the outage once; the first beat that lands re-reports its
+        whole inventory (a restarted store lists every replica again)."""
         self.heartbeat_interval_s = interval_s
-        while not self._stop.wait(interval_s):
+        delay_s = interval_s
+        while not self._stop.wait(delay_s):
             on_tick()
             self.pages.expire()
             try:
                 self.heartbeat_once()
             except TensorcastError as e:
-                log.warning("heartbeat failed: %s", e)
+                if delay_s == interval_s:
+                    log.warning("heartbeat failed, still serving, retrying: %s", e)
+                delay_s = min(delay_s * 1.5, interval_s * HEARTBEAT_BACKOFF)
+                continue
+            if delay_s != interval_s:
+                log.info("heartbeats reach the global store again (%s)", self.store.current_addr)
+            delay_s = interval_s
 
     def start_heartbeats(
         self, interval_s: float, on_tick: Callable[[], None] = lambda: None
@@ -498,4 +531,4 @@ class WorkerNode:
             )
         except TensorcastError as e:
             log.warning("deregistration failed: %s", e)
-        self._channel.close()
+        self.store.close()

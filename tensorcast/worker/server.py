@@ -175,6 +175,8 @@ def serve(
         on_ready(node)
     stop.wait()
     log.info("worker %s stopping", node.name)
+    if disk is not None:
+        log.info("wrote %d contents to the disk tier %s", node.persist(), disk_dir)
     page_server.stop()
     local.close()
     node.instances.close()

@@ -1,0 +1,177 @@
+"""Restarts lose nothing: a store killed and brought back by `tc up`, workers that outlive it, a
+planned `tc down` / `tc up` with a disk tier, lost artifacts, worker names, store failover.
+Real processes throughout (`tc up` as a user runs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Cluster, wait_until
+
+import tensorcast as tc
+
+
+def _tc(c: Cluster, *args: str, check: bool = True) -> dict | subprocess.CompletedProcess:
+    proc = c.tc(*args, "--json", check=check)
+    return json.loads(proc.stdout) if check else proc
+
+
+def _pids(up: dict) -> dict[str, int]:
+    return {p["name"]: p["pid"] for p in up["processes"]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _holders(rt: tc.Runtime, art_id: str) -> set[str]:
+    names = {w.worker_id: w.name for w in rt.workers()}
+    return {names[r.worker_id] for r in rt.info(art_id).replicas}
+
+
+def _data(i: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((1024,), float(i)), "i": torch.arange(i + 1)}
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.fixture
+def cluster_dir(tmp_path):
+    c = Cluster(tmp_path / "state", None)  # type: ignore[arg-type]
+    yield c
+    c.tc("down")
+
+
+def test_store_killed_then_tc_up_brings_it_back_where_the_survivors_look(cluster_dir):
+    """The operator's story from issue 21: two workers, artifacts replicated on both; kill -9
+    worker-1, then the store; `tc up` restarts both at their old address and name and keeps the
+    surviving worker-2 (no second worker-2), which reports its inventory: every artifact is
+    listed on it again and reads back."""
+    c = cluster_dir
+    first = _tc(c, "up", "--workers", "2", "--mem", "64MiB")
+    with c.connect() as rt:
+        for i in range(4):
+            rt.put(_data(i), f"kept-{i}", worker="worker-1").prefetch("worker-2")
+            assert _holders(rt, f"kept-{i}") == {"worker-1", "worker-2"}
+    os.kill(_pids(first)["worker-1"], signal.SIGKILL)
+    os.kill(_pids(first)["store"], signal.SIGKILL)
+    wait_until(lambda: not _alive(_pids(first)["store"]), 30)
+
+    second = _tc(c, "up")
+    assert second["store_addr"] == first["store_addr"]
+    assert sorted(second["started"]) == ["store", "worker-1"] and second["adopted"] == ["worker-2"]
+    assert _pids(second)["worker-2"] == _pids(first)["worker-2"]
+    started = time.monotonic()
+    with c.connect() as rt:
+        wait_until(lambda: all("worker-2" in _holders(rt, f"kept-{i}") for i in range(4)), 30, 0.05)
+        print(f"replicas listed again {time.monotonic() - started:.2f}s after the store was up")
+        for i in range(4):
+            assert _same(rt.artifact(f"kept-{i}").tensor_dict(), _data(i))
+        names = sorted(w.name for w in rt.workers() if w.alive)
+        assert names == ["worker-1", "worker-2"]  # one of each name
+    status = _tc(c, "status")
+    assert status["healthy"]
+    assert sorted(x["name"] for x in status["components"]) == ["store", "worker-1", "worker-2"]
+
+
+def test_planned_restart_with_a_disk_tier_keeps_every_artifact(cluster_dir, tmp_path):
+    c = cluster_dir
+    disk = tmp_path / "disk"
+    _tc(c, "up", "--workers", "2", "--mem", "64MiB", "--disk", str(disk))
+    with c.connect() as rt:
+        for i in range(3):
+            rt.put(_data(i), f"durable-{i}", worker=f"worker-{1 + i % 2}")
+    _tc(c, "down")
+    assert sorted(p.name for p in disk.iterdir()) == ["worker-1", "worker-2"]
+    again = _tc(c, "up")  # no options: the same layout, disk tier included
+    assert sorted(again["started"]) == ["store", "worker-1", "worker-2"]
+    with c.connect() as rt:
+        for i in range(3):
+            assert {r.tier for r in rt.info(f"durable-{i}").replicas} == {"disk"}
+            assert _same(rt.artifact(f"durable-{i}").tensor_dict(), _data(i))
+    out = tmp_path / "out.safetensors"
+    c.tc("get", "durable-1", "-o", str(out), check=True)
+    from safetensors.torch import load_file
+
+    assert _same(load_file(out), _data(1))
+
+
+def test_without_a_disk_tier_gone_artifacts_show_as_lost_and_rm_lost_removes_them(cluster_dir):
+    c = cluster_dir
+    _tc(c, "up", "--mem", "64MiB")
+    with c.connect() as rt:
+        rt.put(_data(1), "gone-1")
+        rt.put(_data(2), "gone-2")
+    _tc(c, "down")
+    _tc(c, "up")
+    listed = {a["art_id"]: a for a in _tc(c, "ls")["artifacts"]}
+    assert {k: v["lost"] for k, v in listed.items()} == {"gone-1": True, "gone-2": True}
+    assert "0 (lost)" in c.tc("ls", check=True).stdout
+    dry = _tc(c, "rm", "--lost", "--dry-run")
+    assert dry == {"deleted": [], "lost": ["gone-1", "gone-2"], "dry_run": True}
+    assert len(_tc(c, "ls")["artifacts"]) == 2
+    assert _tc(c, "rm", "--lost")["deleted"] == ["gone-1", "gone-2"]
+    assert _tc(c, "ls")["artifacts"] == []
+    bad = c.tc("rm")
+    assert bad.returncode == tc.InvalidArgument.exit_code and "--lost" in bad.stderr
+
+
+def test_a_second_worker_under_a_live_workers_name_is_refused(cluster):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tensorcast.cli.main",
+            "worker",
+            "start",
+            "--store",
+            cluster.record.store_addr,
+            "--mem",
+            "16MiB",
+            "--name",
+            "worker-1",
+        ],
+        env={**os.environ, "TC_TOKEN": cluster.token},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == tc.AlreadyExists.exit_code, proc.stderr
+    assert "worker-1" in proc.stderr and "heartbeated" in proc.stderr
+    with cluster.connect() as rt:
+        assert sorted(w.name for w in rt.workers() if w.alive) == ["worker-1", "worker-2"]
+
+
+def _dead_addr() -> str:
+    with socket.socket() as s:  # a port nobody listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_workers_and_callers_fail_over_across_store_addresses(cluster):
+    addrs = f"{_dead_addr()},{cluster.record.store_addr}"
+    with tc.connect(addrs, cluster.token) as rt:
+        rt.put(_data(5), "via-second-member")
+        assert rt.store.current_addr == cluster.record.store_addr
+        assert _same(rt.artifact("via-second-member").tensor_dict(), _data(5))
+    with cluster.extra_worker("member-test", "--store", addrs), cluster.connect() as rt:
+        # Ready: it registered through the second address; alive: its heartbeats go there too.
+        wait_until(lambda: any(w.name == "member-test" and w.alive for w in rt.workers()), 30)
+    with pytest.raises(tc.Unavailable, match="cannot reach"):
+        tc.connect(f"{_dead_addr()},{_dead_addr()}", cluster.token, timeout_s=3)
+    with pytest.raises(tc.InvalidArgument):
+        tc.connect("127.0.0.1:notaport", cluster.token)
