@@ -169,3 +169,19 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "tensorcast"
+
+
+CUDA_COPY_METHODS = ("auto", "register", "staging")
+
+
+def cuda_copy_method() -> str:
+    """How pool bytes reach a caller's GPU (`TC_CUDA_COPY`): "auto" (default) lets a same-host
+    worker with a GPU tier copy them by DMA, else copies them here through pinned staging
+    buffers; "staging" and "register" (page-lock the mapped region chunk by chunk) always copy
+    here (architecture.md decision 53)."""
+    method = os.environ.get("TC_CUDA_COPY", "auto").strip().lower() or "auto"
+    if method not in CUDA_COPY_METHODS:
+        raise InvalidArgument(
+            f"TC_CUDA_COPY={method!r}: choose one of {', '.join(CUDA_COPY_METHODS)}"
+        )
+    return method

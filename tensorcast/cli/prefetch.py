@@ -21,6 +21,14 @@ def command(
     timeout: Annotated[
         float, typer.Option("--timeout", min=0.1, help="Deadline in seconds.")
     ] = 120.0,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="cpu (the pool), or cuda / cuda:N to also load it into the worker's GPU tier "
+            "(a worker on this host started with --gpu-mem).",
+        ),
+    ] = "cpu",
     state_dir: StateDirOpt = None,
     addr: AddrOpt = None,
     token: TokenOpt = None,
@@ -29,11 +37,12 @@ def command(
     from tensorcast.config import format_size
 
     with connect(state_dir, addr, token) as rt:
-        reply = rt.artifact(art_id).prefetch(to, timeout_s=timeout, streams=streams)
+        reply = rt.artifact(art_id).prefetch(to, device, timeout_s=timeout, streams=streams)
     rate = reply.bytes_moved / reply.elapsed_s / 1e9 if reply.elapsed_s else 0.0
     data = {
         "art_id": art_id,
         "worker": to,
+        "device": device,
         "already_present": reply.already_present,
         "bytes_moved": reply.bytes_moved,
         "source_worker_id": reply.source_worker_id,

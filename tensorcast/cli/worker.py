@@ -50,6 +50,18 @@ def start(
             show_default=False,
         ),
     ] = None,
+    gpu_mem: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-mem",
+            help="GPU tier: this much device memory, allocated at start, holds contents "
+            "that same-host callers map by CUDA IPC handle (tensor_dict(device='cuda')).",
+            show_default=False,
+        ),
+    ] = None,
+    gpu_device: Annotated[
+        int, typer.Option("--gpu-device", min=0, help="CUDA device index of the GPU tier.")
+    ] = 0,
     metrics_listen: MetricsListenOpt = "127.0.0.1:0",
     token: TokenOpt = None,
     state_dir: StateDirOpt = None,
@@ -76,6 +88,7 @@ def start(
     parse_store_addrs(store)
     parse_host_port(listen)
     mem_bytes = parse_size(mem)
+    gpu_mem_bytes = parse_size(gpu_mem) if gpu_mem else 0
     role_list = parse_roles(roles)
     token = token or env_token() or read_token(state_dir_of(state_dir))
     if not token:
@@ -92,6 +105,8 @@ def start(
         t.rpc_timeout_s,
         disk_dir=disk,
         metrics_listen=metrics_listen,
+        gpu_mem_bytes=gpu_mem_bytes,
+        gpu_device=gpu_device,
         on_ready=lambda node: announce(
             ready_file,
             as_json,

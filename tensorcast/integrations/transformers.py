@@ -3,7 +3,10 @@ from TensorCast, zero-copy when a worker on this host holds them.
 
 The model is built without initialising weights (its parameter storage is allocated but never
 touched), then `load_state_dict(assign=True)` makes the parameters *be* the tensors mapped from the
-worker's shared memory: no second full-size copy. Tied weights are re-tied afterwards.
+worker's shared memory: no second full-size copy. Tied weights are re-tied afterwards. With
+`device="cuda"` the parameters are the tensors `tensor_dict(device="cuda")` returns: the GPU
+tier's device memory shared by CUDA IPC when a worker on this host has one (no copy at all), else
+a copy made from the pool by chunked host-to-device DMA.
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ def load_model(
     *,
     model_class: Any = None,
     tp_size: int = 1,
+    device: str = "cpu",
+    shared: bool = True,
 ) -> Any:
     """A transformers model (eval mode) for the model directory stored as `art_id`.
 
     `model_class` defaults to `AutoModelForCausalLM`. With `tp_size` > 1 the weights are fetched
     as `tp_size` TP-rank views (only each shard's bytes move per rank) and reassembled, which is
-    how a tensor-parallel engine's ranks would each take theirs.
+    how a tensor-parallel engine's ranks would each take theirs. `device` ("cuda", "cuda:N")
+    puts the model there; `shared` as in `Artifact.tensor_dict` (shared GPU-tier weights must
+    not be trained in place).
     """
     import transformers
     from transformers.initialization import no_init_weights
@@ -49,7 +56,9 @@ def load_model(
     # The weights are fetched (on a cold worker: read from disk) while the skeleton is built.
     with ThreadPoolExecutor(1, thread_name_prefix="tc-load") as fetcher:
         fetching = fetcher.submit(
-            art.tensor_dict if tp_size == 1 else lambda: _reassembled(art, tp_size)
+            (lambda: art.tensor_dict(device, shared=shared))
+            if tp_size == 1
+            else lambda: _reassembled(art, tp_size, device)
         )
         with no_init_weights():
             model = cls.from_config(config, torch_dtype=getattr(config, "torch_dtype", None))
@@ -62,6 +71,8 @@ def load_model(
             f"{art_id!r} does not fit {type(model).__name__}: "
             f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
+    if device != "cpu":  # buffers built at init (rotary tables, ...); parameters stay put
+        model.to(device)
     return model.eval()
 
 
@@ -71,7 +82,7 @@ def _is_tied(model: Any, name: str) -> bool:
     )
 
 
-def _reassembled(art: Any, tp_size: int) -> dict[str, torch.Tensor]:
+def _reassembled(art: Any, tp_size: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     import torch
 
     shapes = [(t.name, t.shape) for t in art.info.tensors]
@@ -79,7 +90,7 @@ def _reassembled(art: Any, tp_size: int) -> dict[str, torch.Tensor]:
     for rank in range(tp_size):
         plan = shard_plan(shapes, rank, tp_size)
         view = art.view(plan, f"{art.art_id}/tp{rank}-of-{tp_size}")
-        parts.append((plan, view.tensor_dict()))
+        parts.append((plan, view.tensor_dict(device)))
     state = {}
     for name in parts[0][1]:
         index = parts[0][0].get(name)

@@ -59,7 +59,7 @@ class Artifact:
         }
 
     def tensor_dict(
-        self, device: str = "cpu", *, timeout_s: float = 60.0
+        self, device: str = "cpu", *, timeout_s: float = 60.0, shared: bool = True
     ) -> dict[str, torch.Tensor]:
         """Materialize the tensors.
 
@@ -68,13 +68,29 @@ class Artifact:
         caller keeps them, even if the artifact is deleted meanwhile. A same-host worker without
         a replica first pulls one from a peer (and keeps it for the next caller). On a host with
         no worker the bytes are pulled straight into this process's memory, checksummed per
-        chunk and verified against the tensor hashes. `device` other than "cpu" copies there.
+        chunk and verified against the tensor hashes.
+
+        `device="cuda"` / `"cuda:N"`: on that GPU. From a same-host worker's GPU tier
+        (`--gpu-mem`) on the same GPU the tensors are the tier's device memory, mapped by CUDA
+        IPC with no copy (`shared=True`; the content is copied into the tier first if needed):
+        every process doing so shares them, so treat them as read-only (a write reaches every
+        reader). `shared=False` gives a private copy (device to device from the tier when it
+        holds the content, else from the pool). Without a tier, the pool's bytes are copied to
+        the GPU in chunks on a stream of their own (page-locked or through pinned staging).
+        Other devices copy the CPU tensors there. Unavailable when this process has no CUDA.
         A model directory's other files (config.json, ...) are not tensors: see `files()`.
         """
-        tensors = self._all_tensors(device, timeout_s)
+        tensors = self._all_tensors(device, timeout_s, shared)
         return {k: v for k, v in tensors.items() if not k.startswith(FILE_PREFIX)}
 
-    def _all_tensors(self, device: str, timeout_s: float) -> dict[str, torch.Tensor]:
+    def _all_tensors(
+        self, device: str, timeout_s: float, shared: bool = True
+    ) -> dict[str, torch.Tensor]:
+        if device != "cpu":
+            from tensorcast.sdk import device as on_device
+
+            if on_device.is_cuda(device):
+                return on_device.materialize(self, device, timeout_s, shared)
         info = self.refresh().info
         workers = self.runtime.workers()  # one listing serves both decisions below
         sources = self.runtime.read_sources(info, workers)
@@ -178,10 +194,16 @@ class Artifact:
         timeout_s: float = 60.0,
         streams: int = 0,
     ) -> pb.PrefetchReply:
-        """Make `worker` hold a replica (pulled from the best peer; no-op if it has one)."""
-        if device != "cpu":
-            raise InvalidArgument(f"device {device!r}: only the cpu tier exists on this cluster")
+        """Make `worker` hold a replica (pulled from the best peer; no-op if it has one).
+
+        `device="cuda"` also puts it in the worker's GPU tier (a worker on this host started
+        with --gpu-mem), where later `tensor_dict(device="cuda")` calls map it with no copy.
+        """
         target = worker if isinstance(worker, WorkerInfo) else self.runtime.resolve_worker(worker)
+        if device != "cpu":
+            from tensorcast.sdk import device as on_device
+
+            return on_device.prefetch_to_tier(self, target, device, timeout_s)
         return self.runtime.worker_stub(target).call(
             "Prefetch",
             pb.PrefetchRequest(

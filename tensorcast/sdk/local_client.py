@@ -112,14 +112,19 @@ class LocalConnection:
         try:
             mm, base = self.map(reply["offset"], reply["size_bytes"], writable=False)
         except BaseException:
-            self._release_now(hold_id)
+            self.release_now(hold_id)
             raise
-        with self._lock:
-            self._live_holds += 1
-        weakref.finalize(mm, self._on_unmapped, hold_id)
+        self.release_when_collected(mm, hold_id)
         return mm, base, tuple(TensorMeta.from_json(t) for t in reply["tensors"])
 
-    def _release_now(self, hold_id: int) -> None:
+    def release_when_collected(self, owner: object, hold_id: int) -> None:
+        """Release the worker's hold `hold_id` (a mapped content, a GPU-tier range) once `owner`
+        is garbage collected; this connection stays open until then."""
+        with self._lock:
+            self._live_holds += 1
+        weakref.finalize(owner, self._on_unmapped, hold_id)
+
+    def release_now(self, hold_id: int) -> None:
         self.request({"op": "release", "hold_id": hold_id})
 
     def _on_unmapped(self, hold_id: int) -> None:
@@ -136,7 +141,7 @@ class LocalConnection:
                 with self._lock:
                     self._live_holds -= 1
                 try:
-                    self._release_now(hold_id)
+                    self.release_now(hold_id)
                 except errors.TensorcastError:
                     pass  # connection gone: the worker released everything already
             with self._lock:

@@ -17,6 +17,7 @@ from tensorcast import errors
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import shard_table_from_pb
 from tensorcast.rpc.page_calls import get_all
+from tensorcast.sdk import gpu_pages
 from tensorcast.sdk.page_client import PageConnection, Wanted
 from tensorcast.sharding import shard_of
 from tensorcast.transport import native
@@ -81,6 +82,8 @@ class PageData:
         from tensorcast.tensors import TORCH_DTYPES
 
         dtype = TORCH_DTYPES[self.dtype]
+        if isinstance(self.data, torch.Tensor):  # read into a GPU buffer (gpu_pages.py)
+            return self.data.view(dtype).reshape(self.shape)
         if not self.data:
             return torch.empty(self.shape, dtype=dtype)
         return torch.frombuffer(self.data, dtype=dtype).reshape(self.shape)
@@ -91,6 +94,8 @@ def _encode(value: PageValue) -> tuple[str, tuple[int, ...], memoryview]:
         from tensorcast import tensors as tmod
 
         tmod.check_tensors({"page": value})
+        if getattr(value, "is_cuda", False):  # stays on the GPU until copied into a pool
+            return tmod.dtype_name(value.dtype), tuple(value.shape), value
         view = tmod.tensor_bytes(value).data
         return tmod.dtype_name(value.dtype), tuple(value.shape), view
     view = memoryview(value).cast("B")
@@ -168,7 +173,7 @@ class Pages:
     def ref_of(self, page: PageData) -> PageRef:
         """The reference of a page just read: its shard, the current token, its hash."""
         shard, token = self._token(page.key)
-        size = memoryview(page.data).nbytes
+        size = page.data.nbytes if hasattr(page.data, "nbytes") else len(page.data)
         return PageRef(page.key, shard, token, page.hash, page.dtype, page.shape, size)
 
     def _token(self, key: str) -> tuple[int, int]:
@@ -214,9 +219,12 @@ class Pages:
             metas = [(*w, *encoded[i][:2]) for i, w in zip(indexes, wanted)]
             views = [encoded[i][2] for i in indexes]
             conn = self._local(lease)
-            if conn is not None:  # hashed as it is copied into the home's pool
+            if conn is not None and any(gpu_pages.on_device(v) for v in views):
+                hashes = gpu_pages.put_local(conn, ttl_s, metas, views)
+            elif conn is not None:  # hashed as it is copied into the home's pool
                 hashes = conn.put(ttl_s, metas, views)
             else:
+                views = [gpu_pages.host_bytes(v) for v in views]
                 hashes = native.hash_buffers(views)
                 self._put_remote(
                     lease,
@@ -263,6 +271,8 @@ class Pages:
         """
         if into is not None and len(into) != len(keys):
             raise errors.InvalidArgument("`into` needs one buffer per key")
+        if into is not None and any(gpu_pages.on_device(b) for b in into):
+            return gpu_pages.get_into_device(self, keys, into, cache)
         names = [k.key if isinstance(k, PageRef) else k for k in keys]
         out: list[PageData | None] = [None] * len(names)
         todo = list(range(len(names)))

@@ -10,11 +10,14 @@ import hmac
 import logging
 import socket
 import threading
+import time
+from dataclasses import asdict
 from typing import Any
 
-from tensorcast.errors import InvalidArgument, TensorcastError, Unauthenticated
+from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unauthenticated
 from tensorcast.transport.unix import recv_message, send_message, socket_address
 from tensorcast.types import TensorMeta
+from tensorcast.worker.gpu_tier import GpuTier, TierEntry
 from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.pool import Content
 
@@ -24,8 +27,9 @@ MAX_CONNECTIONS = 256
 
 
 class LocalServer:
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: WorkerNode, gpu: GpuTier | None = None) -> None:
         self.node = node
+        self.gpu = gpu
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(socket_address(node.local_socket))
         self.sock.listen(64)
@@ -54,7 +58,7 @@ class LocalServer:
         self.sock.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        session = _Session(self.node)
+        session = _Session(self.node, self.gpu)
         try:
             message, _ = recv_message(conn)
             if message.get("op") != "hello" or not hmac.compare_digest(
@@ -94,9 +98,11 @@ def _error(e: TensorcastError) -> dict[str, Any]:
 
 
 class _Session:
-    def __init__(self, node: WorkerNode) -> None:
+    def __init__(self, node: WorkerNode, gpu: GpuTier | None = None) -> None:
         self.node = node
+        self.gpu = gpu
         self.holds: dict[int, Content] = {}
+        self.gpu_holds: dict[int, TierEntry] = {}  # same hold ids as `holds`
         self.reservations: set[int] = set()
         self._next_hold = 1
 
@@ -119,7 +125,11 @@ class _Session:
             hold_id = int(m["hold_id"])
             if hold_id in self.holds:
                 pool.release(self.holds.pop(hold_id))
+            elif hold_id in self.gpu_holds and self.gpu is not None:
+                self.gpu.release(self.gpu_holds.pop(hold_id))
             return {"ok": True}
+        if isinstance(op, str) and op.startswith("gpu_"):
+            return self._gpu(op, m)
         if op == "reserve":
             res = self.node.reserve(int(m["size_bytes"]))
             self.reservations.add(res.reservation_id)
@@ -149,9 +159,56 @@ class _Session:
             return {"ok": True}
         raise InvalidArgument(f"unknown local operation {op!r}")
 
+    def _gpu(self, op: str, m: dict[str, Any]) -> dict[str, Any]:
+        """The GPU tier (worker/gpu_tier.py): map it, hold contents in it, warm it."""
+        if self.gpu is None:
+            raise NotFound(
+                f"worker {self.node.name} has no GPU tier (start it with --gpu-mem SIZE)"
+            )
+        if op == "gpu_hello":
+            return {"ok": True, **self.gpu.hello()}
+        if op == "gpu_open":
+            entry = self.gpu.open(str(m["content_id"]), load=bool(m.get("load", True)))
+            hold_id = self._next_hold
+            self._next_hold += 1
+            self.gpu_holds[hold_id] = entry
+            return {
+                "ok": True,
+                "hold_id": hold_id,
+                "offset": entry.offset,
+                "size_bytes": entry.size_bytes,
+                "tensors": [t.to_json() for t in entry.tensors],
+            }
+        if op == "gpu_load":
+            started = time.monotonic()
+            present = str(m["content_id"]) in self.gpu.index.content_ids()
+            entry = self.gpu.open(str(m["content_id"]))
+            self.gpu.release(entry)
+            return {
+                "ok": True,
+                "already_present": present,
+                "bytes_moved": 0 if present else entry.size_bytes,
+                "elapsed_s": time.monotonic() - started,
+            }
+        if op == "gpu_copy":  # into the caller's buffer, by DMA from the page-locked pool
+            content, seconds = self.gpu.copy_into(str(m["content_id"]), dict(m["target"]))
+            return {
+                "ok": True,
+                "size_bytes": content.size_bytes,
+                "tensors": [t.to_json() for t in content.tensors],
+                "seconds": seconds,
+            }
+        if op == "gpu_stats":
+            return {"ok": True, **asdict(self.gpu.stats())}
+        raise InvalidArgument(f"unknown local operation {op!r}")
+
     def close(self) -> None:
         for content in self.holds.values():
             self.node.pool.release(content)
+        if self.gpu is not None:
+            for entry in self.gpu_holds.values():
+                self.gpu.release(entry)
+        self.gpu_holds.clear()
         for reservation_id in self.reservations:
             self.node.pool.abort(reservation_id)
         self.holds.clear()

@@ -13,13 +13,14 @@ from typing import Any
 import psutil
 
 from tensorcast.config import fault_injection
-from tensorcast.errors import InvalidArgument, ResourceExhausted
+from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorcastError
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
 from tensorcast.transport import native, shm
 from tensorcast.transport.unix import page_socket_name, socket_address
 from tensorcast.worker.disk_tier import DiskTier
+from tensorcast.worker.gpu_tier import GpuTier
 from tensorcast.worker.local_server import LocalServer
 from tensorcast.worker.node import ROLES, WorkerNode
 from tensorcast.worker.pool import Pool
@@ -58,15 +59,33 @@ METRIC_HELP = {
     "tc_kv_page_requests_total": "same-host page requests the native page server answered",
     "tc_kv_page_errors_total": "page requests answered with an error",
     "tc_kv_page_connections": "open same-host page connections",
+    "tc_gpu_tier_loads_total": "contents copied from the pool into the GPU tier",
+    "tc_gpu_tier_evictions_total": "contents evicted from the GPU tier to make room",
 }
 
 
-def _samples(node: WorkerNode, transfers: Transfers, page_server: Any) -> list[Sample]:
+def _gpu_samples(gpu: GpuTier | None) -> list[Sample]:
+    if gpu is None:
+        return []
+    stats = gpu.stats()
+    return [
+        ("tc_pool_bytes", {"tier": "gpu", "kind": "capacity"}, stats.capacity_bytes),
+        ("tc_pool_bytes", {"tier": "gpu", "kind": "used"}, stats.used_bytes),
+        ("tc_replicas", {"tier": "gpu"}, len(stats.contents)),
+        ("tc_gpu_tier_loads_total", {}, stats.loads_total),
+        ("tc_gpu_tier_evictions_total", {}, stats.evictions_total),
+    ]
+
+
+def _samples(
+    node: WorkerNode, transfers: Transfers, page_server: Any, gpu: GpuTier | None = None
+) -> list[Sample]:
     stats = node.pool.stats()
     disk = node.disk.content_ids() if node.disk else []
     pages = node.pages.stats()
     served = page_server.stats()
     return [
+        *_gpu_samples(gpu),
         ("tc_pool_bytes", {"tier": "cpu", "kind": "capacity"}, stats.capacity_bytes),
         ("tc_pool_bytes", {"tier": "cpu", "kind": "used"}, stats.used_bytes),
         (
@@ -111,12 +130,21 @@ def serve(
     metrics_listen: str = "127.0.0.1:0",
     on_ready=None,
     stop_event: threading.Event | None = None,
+    gpu_mem_bytes: int = 0,
+    gpu_device: int = 0,
 ) -> None:
     available = psutil.virtual_memory().available
     if mem_bytes > available:
         raise ResourceExhausted(
             f"--mem {mem_bytes} bytes exceeds the {available} bytes of memory available"
         )
+    if gpu_mem_bytes:  # fail before allocating anything when there is no such GPU
+        from tensorcast.transport import cuda
+
+        try:
+            cuda.resolve(f"cuda:{gpu_device}")
+        except TensorcastError as e:
+            raise type(e)(f"--gpu-mem (a GPU tier on cuda:{gpu_device}): {e}") from None
     pool = Pool(mem_bytes)
     disk = DiskTier(disk_dir) if disk_dir else None
     node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s, disk)
@@ -130,12 +158,13 @@ def serve(
     if faults.close_after_chunks:
         data_server.inject_close_after_chunks(faults.close_after_chunks)
     transfers = Transfers(node, data_server)
+    gpu = GpuTier(pool, node.load_and_hold, gpu_mem_bytes, gpu_device) if gpu_mem_bytes else None
     service = WorkerService(node, transfers)
     pb_grpc.add_WorkerServiceServicer_to_server(service, server)
     node.addr = advertised(bind(server, listen))
     node.data_addr = advertised(f"{host}:{data_server.port}")
     server.start()
-    local = LocalServer(node)
+    local = LocalServer(node, gpu)
     local.start()
     page_server = native.PageServer(
         socket_address(page_socket_name(node.local_socket)),
@@ -146,7 +175,7 @@ def serve(
     node.pages.server = page_server
     metrics = MetricsServer(
         metrics_listen,
-        lambda: _samples(node, transfers, page_server),
+        lambda: _samples(node, transfers, page_server, gpu),
         METRIC_HELP,
         lambda: _health(node, heartbeat_interval_s),
     )
@@ -155,7 +184,13 @@ def serve(
     node.adopt_references()
     node.heartbeat_interval_s = heartbeat_interval_s
     node.heartbeat_once()  # the lease table and shard bids at once, not an interval later
-    node.start_heartbeats(heartbeat_interval_s, on_tick=transfers.expire)
+
+    def on_tick() -> None:
+        transfers.expire()
+        if gpu is not None:
+            gpu.sweep()
+
+    node.start_heartbeats(heartbeat_interval_s, on_tick=on_tick)
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -185,3 +220,5 @@ def serve(
     node.stop()
     server.stop(grace=0.5).wait(5)
     node.pages.close()
+    if gpu is not None:
+        gpu.close()
