@@ -117,7 +117,7 @@ def test_random_layout_is_aligned():
     assert size >= sum(m.size_bytes for m in metas)
 
 
-def test_pool_eviction_candidates_are_lru_unpinned_unheld():
+def test_pool_eviction_candidates_are_lru_unpinned_unheld_registered():
     from tensorcast.worker.pool import Pool
 
     pool = Pool(16 * PAGE_BYTES, name="tc-unit-pool")
@@ -127,6 +127,10 @@ def test_pool_eviction_candidates_are_lru_unpinned_unheld():
         pool.region(res.offset, 4)[:] = bytes([i]) * 4
         meta = TensorMeta(f"t{i}", "U8", (4,), 4)
         ids.append(pool.commit(res.reservation_id, [meta]).content.content_id)
+    # Being registered: neither evicted nor dropped until the registration ends.
+    assert pool.eviction_candidates() == [] and not pool.drop(ids[3])
+    for content_id in ids:
+        pool.end_registration(content_id, registered=True)
     pool.hold(ids[0])  # most recently used, and held: not a candidate while held
     pool.set_pinned(ids[1], True)
     assert pool.eviction_candidates() == [ids[2], ids[3]]
