@@ -75,7 +75,7 @@ class CostModel:
     Defaults: fitted by least squares to a small Llama measured on this repository's 2-core
     VM (hidden 512, 8 layers, 8 heads, 2 KV heads, random weights, fp32, transformers eager
     attention; fastest of 5 runs per point, while other work shared the cores):
-    `python scripts/bench/calibrate_sim.py` (docs/architecture.md decision 39). About 430
+    `python scripts/bench/calibrate_sim.py` (docs/architecture.md decision 46). About 430
     prefill tokens/s and 20-40 ms per decode step: a slow engine, so fewer sessions load it.
     """
 
