@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh Debian machine: missing system packages (as root: libxxhash-dev,
-# cmake, g++, jq, iproute2), a venv at .venv with the local CPU torch wheel installed FIRST (so
-# nothing can pull a CUDA build), then the project (editable; builds the native core with
-# scikit-build-core + nanobind).
+# cmake, g++, jq, iproute2, etcd-server), a venv at .venv with the local CPU torch wheel
+# installed FIRST (so nothing can pull a CUDA build), then the project (editable; builds the
+# native core with scikit-build-core + nanobind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +12,7 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 command -v jq >/dev/null || need+=(jq)          # scripts/autoscale.sh
 command -v ip >/dev/null || need+=(iproute2)    # cross-host tests (network namespaces)
+command -v etcd >/dev/null || need+=(etcd-server)  # the Global Store's etcd backend, tc up --ha
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "setup: missing Debian packages: ${need[*]} (run as root or install them)" >&2

@@ -129,8 +129,8 @@ def test_pool_eviction_candidates_are_lru_unpinned_unheld_registered():
         ids.append(pool.commit(res.reservation_id, [meta]).content.content_id)
     # Being registered: neither evicted nor dropped until the registration ends.
     assert pool.eviction_candidates() == [] and not pool.drop(ids[3])
-    for content_id in ids:
-        pool.end_registration(content_id, registered=True)
+    for cid in ids:
+        pool.end_registration(cid, registered=True)
     pool.hold(ids[0])  # most recently used, and held: not a candidate while held
     pool.set_pinned(ids[1], True)
     assert pool.eviction_candidates() == [ids[2], ids[3]]

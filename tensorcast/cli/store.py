@@ -22,10 +22,29 @@ app = typer.Typer(help="Run the Global Store (control-plane metadata).", no_args
 
 @app.command("start")
 def start(
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="Where the records live: sqlite (one file, one store process) or etcd "
+            "(an etcd cluster several store processes may serve at once).",
+        ),
+    ] = "sqlite",
     db: Annotated[
         Path | None,
         typer.Option("--db", help="sqlite file (default: STATE_DIR/store.db).", show_default=False),
     ] = None,
+    etcd_endpoints: Annotated[
+        str,
+        typer.Option(
+            "--etcd-endpoints",
+            help="etcd members' client addresses, H1:2379,H2:2379,... (with --backend etcd).",
+        ),
+    ] = "",
+    etcd_prefix: Annotated[
+        str,
+        typer.Option("--etcd-prefix", help="Key prefix of this cluster's records in etcd."),
+    ] = "/tensorcast/",
     listen: Annotated[
         str, typer.Option("--listen", help="HOST:PORT to serve on (port 0: any).")
     ] = "127.0.0.1:7400",
@@ -53,29 +72,46 @@ def start(
     import logging
     import secrets
 
-    from tensorcast.config import env_token, parse_host_port, timing
+    from tensorcast.config import env_token, parse_host_port, parse_store_addrs, timing
+    from tensorcast.errors import InvalidArgument
     from tensorcast.sdk.cluster_file import read_token, write_token
-    from tensorcast.store.server import serve
+    from tensorcast.store.server import open_backend, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parse_host_port(listen)
+    if backend not in ("sqlite", "etcd"):
+        raise InvalidArgument(f"--backend {backend!r}: choose sqlite or etcd")
+    if (backend == "etcd") != bool(etcd_endpoints):
+        raise InvalidArgument("--etcd-endpoints goes with --backend etcd, and only with it")
+    if backend == "etcd" and db is not None:
+        raise InvalidArgument("--db is the sqlite backend's file: not with --backend etcd")
+    if not etcd_prefix.startswith("/") or not etcd_prefix.endswith("/"):
+        raise InvalidArgument(f"--etcd-prefix {etcd_prefix!r}: start and end it with '/'")
+    endpoints = parse_store_addrs(etcd_endpoints) if etcd_endpoints else []
     directory = state_dir_of(state_dir)
     token = token or env_token() or read_token(directory)
     if not token:
         token = secrets.token_urlsafe(32)
         write_token(directory, token)
         typer.echo(f"generated a cluster token in {directory / 'token'}", err=True)
-    serve(
+    t = timing()
+    records = open_backend(
         db or directory / "store.db",
+        endpoints,
+        t.heartbeat_ttl_s,
+        num_shards=shards,
+        unreferenced_grace_s=t.unreferenced_grace_s,
+        etcd_prefix=etcd_prefix,
+    )
+    serve(
+        records,
         listen,
         token,
-        timing().heartbeat_ttl_s,
+        t.heartbeat_ttl_s,
         on_ready=lambda addr, metrics_addr: announce(
             ready_file,
             as_json,
             {"addr": addr, "pid": os.getpid(), "metrics_addr": metrics_addr},
         ),
         metrics_listen=metrics_listen,
-        num_shards=shards,
-        unreferenced_grace_s=timing().unreferenced_grace_s,
     )

@@ -42,6 +42,15 @@ def command(
             "written there when it stops and served again after the next tc up.",
         ),
     ] = None,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="High availability: a 3-member etcd cluster (Debian's etcd-server) holds the "
+            "records, two Global Store processes serve it, and workers and callers fail over "
+            "between them. Kept for later tc up runs of this state dir.",
+        ),
+    ] = False,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -50,7 +59,7 @@ def command(
 
     if mem is not None:
         parse_size(mem)  # a bad size fails here, before anything starts
-    result = up(state_dir_of(state_dir), workers, mem, disk=disk)
+    result = up(state_dir_of(state_dir), workers, mem, disk=disk, ha=ha)
     r = result.record
     data = {
         "already_running": result.already_running,
@@ -78,7 +87,8 @@ def command(
         verb = "started"
     lines = [f"cluster {verb}: store {r.store_addr}, state dir {result.state_dir}"]
     lines += [
-        f"  {p.name:<10} pid {p.pid:<8} {p.addr:<22} metrics http://{p.metrics_addr}/metrics"
+        f"  {p.name:<10} pid {p.pid:<8} {p.addr:<22}"
+        + (f" metrics http://{p.metrics_addr}/metrics" if p.metrics_addr else "")
         for p in r.processes
     ]
     emit(as_json, data, "\n".join(lines))

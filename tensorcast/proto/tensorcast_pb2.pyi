@@ -385,7 +385,7 @@ class ListArtifactsReply(_message.Message):
     def __init__(self, artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
-    __slots__ = ("version", "schema_version", "uptime_s", "db_path", "heartbeat_ttl_s", "num_artifacts", "num_contents")
+    __slots__ = ("version", "schema_version", "uptime_s", "db_path", "heartbeat_ttl_s", "num_artifacts", "num_contents", "backend_members")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,7 @@ class StoreStatus(_message.Message):
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CONTENTS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     schema_version: int
     uptime_s: float
@@ -400,7 +401,18 @@ class StoreStatus(_message.Message):
     heartbeat_ttl_s: float
     num_artifacts: int
     num_contents: int
-    def __init__(self, version: _Optional[str] = ..., schema_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., db_path: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., num_artifacts: _Optional[int] = ..., num_contents: _Optional[int] = ...) -> None: ...
+    backend_members: _containers.RepeatedCompositeFieldContainer[BackendMember]
+    def __init__(self, version: _Optional[str] = ..., schema_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., db_path: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., num_artifacts: _Optional[int] = ..., num_contents: _Optional[int] = ..., backend_members: _Optional[_Iterable[_Union[BackendMember, _Mapping]]] = ...) -> None: ...
+
+class BackendMember(_message.Message):
+    __slots__ = ("addr", "healthy", "detail")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    addr: str
+    healthy: bool
+    detail: str
+    def __init__(self, addr: _Optional[str] = ..., healthy: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker", "num_contents", "num_holds", "store_addr", "pages", "page_bytes", "page_region_bytes", "page_uncommitted_bytes")

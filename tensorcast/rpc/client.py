@@ -110,6 +110,10 @@ class FailoverStub:
             return reply
         raise AssertionError("unreachable")
 
+    def members(self) -> list[tuple[str, Stub]]:
+        """Each member's own stub (no failover): to ask every member, as `tc status` does."""
+        return list(zip(self.addrs, self._stubs))
+
     def close(self) -> None:
         for channel in self._channels:
             channel.close()

@@ -34,18 +34,32 @@ class ComponentHealth:
 
 
 def cluster_health(rt: Runtime) -> list[ComponentHealth]:
-    status = rt.store_status()
-    out = [
-        ComponentHealth(
-            "store",
-            "store",
-            rt.store_addr,
-            "healthy",
-            None,
-            f"schema v{status.schema_version}, {status.num_artifacts} artifacts, "
-            f"up {status.uptime_s:.0f}s",
+    """Every Global Store member the caller knows, the etcd members behind them (as the first
+    store that answers sees them), and every worker."""
+    out = []
+    backend: list[pb.BackendMember] = []
+    members = rt.store.members()
+    for i, (addr, stub) in enumerate(members):
+        name = "store" if len(members) == 1 else f"store-{i + 1}"
+        try:
+            status = stub.call("Status", pb.Empty(), timeout_s=PING_TIMEOUT_S)
+        except TensorcastError as e:
+            out.append(ComponentHealth("store", name, addr, "unreachable", None, str(e)))
+            continue
+        backend = backend or list(status.backend_members)
+        out.append(
+            ComponentHealth(
+                "store",
+                name,
+                addr,
+                "healthy",
+                None,
+                f"{status.db_path}, {status.num_artifacts} artifacts, up {status.uptime_s:.0f}s",
+            )
         )
-    ]
+    for i, m in enumerate(backend):
+        state = "healthy" if m.healthy else "unreachable"
+        out.append(ComponentHealth("etcd", f"etcd-{i + 1}", m.addr, state, None, m.detail))
     for w in rt.workers():
         if not w.alive:
             out.append(

@@ -20,12 +20,14 @@ from pathlib import Path
 import psutil
 
 from tensorcast.config import DEFAULT_WORKER_MEM
-from tensorcast.errors import NotFound, TensorcastError, Unavailable
+from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unavailable
 from tensorcast.sdk.cluster_file import ClusterRecord, ProcessRecord, read_token, write_token
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0  # a worker with a disk tier writes its memory out first
 LAYOUT_FILE = "layout.json"
+HA_ETCD_MEMBERS = 3
+HA_STORES = 2
 
 
 @contextmanager
@@ -43,6 +45,8 @@ def _is_ours(pid: int) -> bool:
         cmdline = psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
+    if cmdline and os.path.basename(cmdline[0]) == "etcd":  # a member of an --ha cluster
+        return any(arg.startswith("tensorcast-") for arg in cmdline)
     return any(
         os.path.basename(arg) in ("tc", "tensorcast") or arg.startswith("tensorcast.")
         for arg in cmdline[:3]
@@ -116,12 +120,15 @@ class UpResult:
 @dataclass
 class Layout:
     """What `tc up` was asked for last time (state_dir/layout.json): a later `tc up` without
-    options brings back the same cluster, with its store at the same address."""
+    options brings back the same cluster, its stores (and etcd members) at the same addresses."""
 
     workers: int = 1
     mem: str = DEFAULT_WORKER_MEM
     disk: str = ""  # workers keep their disk tier in DISK/<worker name>
-    store_addr: str = ""
+    store_addr: str = ""  # one address, or the members' H1:P1,H2:P2 with --ha
+    ha: bool = False
+    etcd: list[dict] = field(default_factory=list)  # EtcdMember records (--ha)
+    etcd_token: str = ""
 
     @classmethod
     def load(cls, state_dir: Path) -> Layout:
@@ -135,6 +142,9 @@ class Layout:
         tmp.write_text(json.dumps(asdict(self), indent=2))
         os.replace(tmp, state_dir / LAYOUT_FILE)
 
+    def store_names(self) -> list[str]:
+        return [f"store-{i + 1}" for i in range(HA_STORES)] if self.ha else ["store"]
+
 
 def up(
     state_dir: Path,
@@ -142,22 +152,33 @@ def up(
     mem: str | None = None,
     listen_host: str = "127.0.0.1",
     disk: Path | None = None,
+    ha: bool = False,
 ) -> UpResult:
     """Bring up a store and `workers` workers (by default as last time in this state dir).
 
-    The store comes back at the address it had, on the same database, so workers that outlived
-    it reconnect and report their inventory again. Processes of the cluster still running are
-    adopted, never started twice; missing workers start under their old names (with a disk
-    tier, what they held is readable again)."""
+    Stores come back at the addresses they had, on the same records, so workers that outlived
+    them reconnect and report their inventory again. Processes of the cluster still running
+    are adopted, never started twice; missing workers start under their old names (with a disk
+    tier, what they held is readable again). `ha`: a 3-member etcd cluster and two Global Store
+    processes serving it; workers and callers fail over between the stores."""
     state_dir = state_dir.resolve()  # the processes run in state_dir/run
     with _state_lock(state_dir):
         layout = Layout.load(state_dir)
+        fresh = not (state_dir / LAYOUT_FILE).exists()
+        if ha and not fresh and not layout.ha:
+            raise InvalidArgument(
+                f"{state_dir} holds a cluster on sqlite: --ha needs a new state dir (its records "
+                "would not move to etcd)"
+            )
+        layout.ha = layout.ha or ha
         layout.workers = workers or layout.workers
         layout.mem = mem or layout.mem
         layout.disk = str(disk.resolve()) if disk else layout.disk
         previous = ClusterRecord.load(state_dir)
         live = {p.name: p for p in (previous.processes if previous else []) if _is_ours(p.pid)}
-        names = ["store"] + [f"worker-{i + 1}" for i in range(layout.workers)]
+        etcd_names = [f"etcd-{i + 1}" for i in range(HA_ETCD_MEMBERS)] if layout.ha else []
+        names = etcd_names + layout.store_names()
+        names += [f"worker-{i + 1}" for i in range(layout.workers)]
         if previous is not None and all(n in live for n in names):
             return UpResult(previous, True, state_dir, adopted=names)
         token = read_token(state_dir) or secrets.token_urlsafe(32)
@@ -167,23 +188,38 @@ def up(
         result = UpResult(ClusterRecord("", time.time()), False, state_dir)
         spawned: list[subprocess.Popen] = []
         try:
-            if "store" in live:
-                store = live["store"]
-                result.adopted.append("store")
-            else:
-                store = _start_store(state_dir, layout, listen_host, token, bool(live), spawned)
-                result.started.append("store")
-            result.record.store_addr = layout.store_addr = store.addr
-            result.record.processes.append(store)
+            endpoints = _up_etcd(state_dir, layout, listen_host, live, result, spawned)
+            workers_live = any(n.startswith("worker-") for n in live)
+            stores = []
+            saved = layout.store_addr.split(",") if layout.store_addr else []
+            for i, name in enumerate(layout.store_names()):
+                if name in live:
+                    result.adopted.append(name)
+                    stores.append(live[name])
+                    continue
+                old = saved[i] if i < len(saved) else ""
+                stores.append(
+                    _start_store(
+                        state_dir, name, old, listen_host, token, endpoints, workers_live, spawned
+                    )
+                )
+                result.started.append(name)
+            result.record.store_addr = layout.store_addr = ",".join(s.addr for s in stores)
+            result.record.processes += stores
             layout.save(state_dir)
-            _forget_dead_workers(store.addr, token, [n for n in names[1:] if n not in live])
+            _forget_dead_workers(
+                result.record.store_addr, token, [n for n in names if n not in live]
+            )
             pending = []
-            for name in names[1:]:
+            for name in names:
+                if not name.startswith("worker-"):
+                    continue
                 if name in live:
                     result.adopted.append(name)
                     result.record.processes.append(live[name])
                     continue
-                args = ["--store", store.addr, "--listen", f"{listen_host}:0", "--mem", layout.mem]
+                args = ["--store", result.record.store_addr, "--listen", f"{listen_host}:0"]
+                args += ["--mem", layout.mem]
                 if layout.disk:
                     args += ["--disk", str(Path(layout.disk) / name)]
                 pending.append(_start_worker(state_dir, name, args, token, spawned))
@@ -203,24 +239,66 @@ def up(
             raise
 
 
-def _start_store(
+def _up_etcd(
     state_dir: Path,
     layout: Layout,
     listen_host: str,
+    live: dict[str, ProcessRecord],
+    result: UpResult,
+    spawned: list[subprocess.Popen],
+) -> list[str]:
+    """The etcd members of an --ha cluster (started where missing, at their old addresses and
+    data dirs); returns their client addresses. Empty without --ha."""
+    from tensorcast.sdk import local_etcd
+
+    if not layout.ha:
+        return []
+    if not layout.etcd:
+        members = local_etcd.plan_members(HA_ETCD_MEMBERS, listen_host, state_dir / "etcd")
+        layout.etcd = [asdict(m) for m in members]
+        layout.etcd_token = local_etcd.cluster_token()
+    members = [local_etcd.EtcdMember.from_json(m) for m in layout.etcd]
+    log = state_dir / "logs" / "etcd.log"
+    procs = []
+    for m in members:
+        if m.name in live:
+            result.adopted.append(m.name)
+            result.record.processes.append(live[m.name])
+            continue
+        proc = local_etcd.spawn(m, members, layout.etcd_token, log, state_dir / "run")
+        spawned.append(proc)
+        procs.append(proc)
+        result.started.append(m.name)
+        result.record.processes.append(
+            ProcessRecord("etcd", m.name, proc.pid, m.client_addr, str(log))
+        )
+    local_etcd.wait_healthy(members, procs, log)
+    return [m.client_addr for m in members]
+
+
+def _start_store(
+    state_dir: Path,
+    name: str,
+    old_addr: str,
+    listen_host: str,
     token: str,
+    etcd_endpoints: list[str],
     workers_live: bool,
     spawned: list[subprocess.Popen],
 ) -> ProcessRecord:
-    """The store at its old address (its live workers beat there); with none of its workers
+    """A store at its old address (its live workers beat there); with none of its workers
     alive a new port does as well when the old one is taken meanwhile."""
-    log = state_dir / "logs" / "store.log"
-    ready = state_dir / "run" / "store.json"
-    db = str(state_dir / "store.db")
-    listens = [layout.store_addr] if layout.store_addr else []
+    log = state_dir / "logs" / f"{name}.log"
+    ready = state_dir / "run" / f"{name}.json"
+    if etcd_endpoints:
+        records = ["--backend", "etcd", "--etcd-endpoints", ",".join(etcd_endpoints)]
+    else:
+        records = ["--db", str(state_dir / "store.db")]
+    listens = [old_addr] if old_addr else []
     if not (listens and workers_live):
         listens.append(f"{listen_host}:0")
     for i, listen in enumerate(listens):
-        proc = _spawn(["store", "start", "--db", db, "--listen", listen], log, token, ready)
+        proc = _spawn(["store", "start", *records, "--listen", listen], log, token, ready)
         spawned.append(proc)
         try:
             info = _wait_ready(proc, ready, log)
@@ -228,9 +306,7 @@ def _start_store(
             if i == len(listens) - 1:
                 raise
             continue
-        return ProcessRecord(
-            "store", "store", proc.pid, info["addr"], str(log), info["metrics_addr"]
-        )
+        return ProcessRecord("store", name, proc.pid, info["addr"], str(log), info["metrics_addr"])
     raise AssertionError("unreachable")
 
 
@@ -280,19 +356,16 @@ def _extra_local_workers(state_dir: Path, record: ClusterRecord) -> list[Process
 
 
 def down(state_dir: Path) -> list[ProcessRecord]:
-    """Stop the cluster's processes on this host (workers first, then the store); returns them."""
+    """Stop the cluster's processes on this host (workers, then stores, then etcd members);
+    returns them."""
     with _state_lock(state_dir):
         record = ClusterRecord.load(state_dir)
         if record is None:
             return []
-        ordered = _extra_local_workers(state_dir, record) + sorted(
-            record.processes, key=lambda p: p.role == "store"
-        )
+        ordered = _extra_local_workers(state_dir, record) + record.processes
         stopped = []
-        for group in (
-            [p for p in ordered if p.role == "worker"],
-            [p for p in ordered if p.role == "store"],
-        ):
+        for role in ("worker", "store", "etcd"):
+            group = [p for p in ordered if p.role == role]
             live = [p for p in group if _is_ours(p.pid)]
             for p in live:
                 os.kill(p.pid, signal.SIGTERM)

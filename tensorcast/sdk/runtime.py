@@ -296,6 +296,7 @@ class Runtime:
             return self._put_reference(art_id, path, owner, ttl_s or 0.0, worker)
         files = model_dir.scan(path)
         key = put_cache.fingerprint(files.fingerprint_paths())
+
         def write() -> str:  # reads the files: only when the cluster lacks the content
             metas, size, filler = writes.plan_files(files)
             committed = writes.write_content(self, metas, size, filler, progress, worker)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 
 from tensorcast.errors import FencingError, InvalidArgument, NotFound
+from tensorcast.store.base import (
+    DEFAULT_NUM_SHARDS,
+    MAX_PLANS_LISTED,
+    PLAN_RETENTION_S,
+    SHARD_HOME_ROLE,
+    check_num_shards,
+    fixed_num_shards,
+)
 from tensorcast.store.sqlite_store import SqliteStore
 from tensorcast.types import InstanceInfo, PlanRecord, ShardLease, ShardTable
-
-DEFAULT_NUM_SHARDS = 16
-MAX_SHARDS = 4096
-MAX_PLANS_LISTED = 1000
-# Finished plan records are kept this long (the idempotency window).
-PLAN_RETENTION_S = 24 * 3600.0
-SHARD_HOME_ROLE = "shard-home"
 
 
 class SqliteCoordination:
@@ -29,19 +30,11 @@ class SqliteCoordination:
         self.num_shards = self._settle_num_shards(num_shards)
 
     def _settle_num_shards(self, requested: int | None) -> int:
-        """The shard count is fixed at the first start: changing it would re-key every page."""
-        if requested is not None and not 1 <= requested <= MAX_SHARDS:
-            raise InvalidArgument(f"--shards must be in [1, {MAX_SHARDS}], not {requested}")
+        check_num_shards(requested)
         with self._lock, self.db.conn:
             row = self.db.execute("SELECT value FROM settings WHERE key = 'num_shards'").fetchone()
             if row is not None:
-                stored = int(row[0])
-                if requested is not None and requested != stored:
-                    raise InvalidArgument(
-                        f"this store was created with {stored} shards; it cannot change to "
-                        f"{requested} (pages are keyed by shard). Use a new --db for a new count."
-                    )
-                return stored
+                return fixed_num_shards(int(row[0]), requested)
             count = requested or DEFAULT_NUM_SHARDS
             self.db.execute("INSERT INTO settings VALUES ('num_shards', ?)", [str(count)])
             return count

@@ -12,7 +12,9 @@ from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
+from tensorcast.store.base import Coordination, MetadataStore
 from tensorcast.store.coordination import SqliteCoordination
+from tensorcast.store.etcd_kv import TLSFiles
 from tensorcast.store.service import GlobalStoreService
 from tensorcast.store.sqlite_store import SqliteStore
 
@@ -30,7 +32,7 @@ METRIC_HELP = {
 }
 
 
-def _samples(store: SqliteStore) -> list[Sample]:
+def _samples(store: MetadataStore) -> list[Sample]:
     now = time.time()
     workers = store.list_workers(now)
     artifacts = store.list_artifacts("", now)
@@ -61,23 +63,44 @@ def _samples(store: SqliteStore) -> list[Sample]:
     return samples
 
 
+def open_backend(
+    db_path: Path | None,
+    etcd_endpoints: list[str],
+    heartbeat_ttl_s: float,
+    num_shards: int | None = None,
+    unreferenced_grace_s: float = DEFAULT_UNREFERENCED_GRACE_S,
+    etcd_prefix: str = "/tensorcast/",
+    etcd_tls: TLSFiles | None = None,
+) -> tuple[MetadataStore, Coordination]:
+    """The records' home: an etcd cluster when endpoints are given (several Global Store
+    processes may share it), else one sqlite file."""
+    if etcd_endpoints:
+        from tensorcast.store.etcd_kv import EtcdKV
+        from tensorcast.store.etcd_store import EtcdCoordination, EtcdStore
+
+        kv = EtcdKV(etcd_endpoints, etcd_prefix, tls=etcd_tls)
+        etcd = EtcdStore(kv, heartbeat_ttl_s, unreferenced_grace_s)
+        return etcd, EtcdCoordination(etcd, num_shards)
+    assert db_path is not None
+    sqlite = SqliteStore(db_path, heartbeat_ttl_s, unreferenced_grace_s)
+    return sqlite, SqliteCoordination(sqlite, num_shards)
+
+
 def serve(
-    db_path: Path,
+    backend: tuple[MetadataStore, Coordination],
     listen: str,
     token: str,
     heartbeat_ttl_s: float,
     on_ready=None,
     stop_event: threading.Event | None = None,
     metrics_listen: str = "127.0.0.1:0",
-    num_shards: int | None = None,
-    unreferenced_grace_s: float = DEFAULT_UNREFERENCED_GRACE_S,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`). `on_ready(addr)` runs once listening."""
-    store = SqliteStore(db_path, heartbeat_ttl_s, unreferenced_grace_s)
-    coord = SqliteCoordination(store, num_shards)
+    store, coord = backend
+    db_path = store.describe()
     server = make_server(token)
     pb_grpc.add_GlobalStoreServicer_to_server(
-        GlobalStoreService(store, coord, str(db_path), heartbeat_ttl_s), server
+        GlobalStoreService(store, coord, db_path, heartbeat_ttl_s), server
     )
     addr = bind(server, listen)
     server.start()
@@ -85,13 +108,13 @@ def serve(
         metrics_listen,
         lambda: _samples(store),
         METRIC_HELP,
-        lambda: (True, {"db": str(db_path), "schema_version": store.schema_version}),
+        lambda: (True, {"db": db_path, "schema_version": getattr(store, "schema_version", 0)}),
     )
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    log.info("global store listening on %s, db %s, schema v%s", addr, db_path, store.schema_version)
+    log.info("global store listening on %s, records in %s", addr, db_path)
     if on_ready:
         on_ready(addr, metrics.addr)
     while not stop.wait(SWEEP_INTERVAL_S):

@@ -19,15 +19,14 @@ from tensorcast.rpc.convert import (
     tensors_from_pb,
     worker_to_pb,
 )
-from tensorcast.store.base import MetadataStore, WorkerRegistration
-from tensorcast.store.coordination import SqliteCoordination
+from tensorcast.store.base import Coordination, MetadataStore, WorkerRegistration
 
 
 class GlobalStoreService(pb_grpc.GlobalStoreServicer):
     def __init__(
         self,
         store: MetadataStore,
-        coord: SqliteCoordination,
+        coord: Coordination,
         db_path: str,
         heartbeat_ttl_s: float,
     ) -> None:
@@ -47,6 +46,9 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             heartbeat_ttl_s=self.heartbeat_ttl_s,
             num_artifacts=num_artifacts,
             num_contents=num_contents,
+            backend_members=[
+                pb.BackendMember(addr=a, healthy=h, detail=d) for a, h, d in self.store.members()
+            ],
         )
 
     def RegisterWorker(self, request, context):

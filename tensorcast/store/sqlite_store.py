@@ -15,7 +15,14 @@ import sqlite_utils
 
 from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S
 from tensorcast.errors import AlreadyExists, IntegrityError, InvalidArgument, NotFound
-from tensorcast.store.base import ContentInfo, WorkerRegistration
+from tensorcast.store.base import (
+    DEAD_WORKER_RETENTION_S,
+    RECONCILE_GRACE_S,
+    ContentInfo,
+    WorkerRegistration,
+    check_same_layout,
+    validate_art_id,
+)
 from tensorcast.store.schema import migrate
 from tensorcast.types import (
     OWNER_LEASE,
@@ -26,26 +33,6 @@ from tensorcast.types import (
     WorkerInfo,
     check_tensor_name,
 )
-
-# A heartbeat's inventory was taken before it was sent: replica rows newer than this are kept
-# even when missing from it (explicit RemoveReplica calls are immediate).
-RECONCILE_GRACE_S = 10.0
-# Dead workers stay listed (as dead) this long, so `tc status` can show them.
-DEAD_WORKER_RETENTION_S = 600.0
-MAX_ID_LENGTH = 512
-
-
-def validate_art_id(art_id: str) -> None:
-    if (
-        not art_id
-        or len(art_id) > MAX_ID_LENGTH
-        or not art_id.isprintable()
-        or art_id != art_id.strip()
-    ):
-        raise InvalidArgument(
-            f"bad artifact id {art_id!r}: use 1-{MAX_ID_LENGTH} printable characters, "
-            "no leading or trailing spaces"
-        )
 
 
 class SqliteStore:
@@ -243,7 +230,7 @@ class SqliteStore:
             elif all(t.hash_hex for t in tensors):
                 stored = [TensorMeta.from_json(t) for t in json.loads(row[0])]
                 if not all(t.hash_hex for t in stored):
-                    _check_same_layout(content_id, stored, tensors)
+                    check_same_layout(content_id, stored, tensors)
                     self.db.execute(
                         "UPDATE contents SET tensors = ? WHERE content_id = ?",
                         [layout, content_id],
@@ -465,12 +452,8 @@ class SqliteStore:
         with self._lock:
             return self.db.table("artifacts").count, self.db.table("contents").count
 
+    def describe(self) -> str:
+        return str(self.path)
 
-def _check_same_layout(
-    content_id: str, stored: list[TensorMeta], claimed: tuple[TensorMeta, ...]
-) -> None:
-    def key(ts) -> list:
-        return sorted((t.name, t.dtype, tuple(t.shape), t.offset_bytes) for t in ts)
-
-    if key(stored) != key(claimed):
-        raise InvalidArgument(f"content {content_id}: replica layout differs from the recorded one")
+    def members(self) -> list[tuple[str, bool, str]]:
+        return []

@@ -1,0 +1,798 @@
+"""The Global Store on etcd: `EtcdStore` (MetadataStore) and `EtcdCoordination`, the same
+contracts as the sqlite backend (tests/test_store_contract.py runs one suite against both).
+
+Several Global Store processes may serve one etcd cluster at once: they keep no state of their
+own, and every decision is an optimistic transaction (`EtcdKV.optimistic`): read the records it
+depends on, decide in Python, commit only if none of them changed meanwhile, else read again.
+Shard leases and their fencing tokens are compare-and-swap on the lease record's revision, so two
+stores can never grant one token twice. Deadlines (heartbeat TTLs, artifact leases, shard
+leases) are times stored in the records and checked against `now`, like the sqlite backend's,
+rather than etcd leases: expiring one record must update others (a content's reference count,
+its replicas), which only the sweep can do anyway.
+
+Keys under the prefix (JSON values):
+    meta/num_shards            the shard count, fixed at first start
+    w/{worker}                 a worker: registration, load, last heartbeat
+    c/{content}                a content: size, tensors, created_at, refs (artifacts naming it)
+    unref/{content}            a content no artifact names (yet): collected after the grace
+    r/{content}/{worker}/{tier}  a replica: created_at, pinned
+    rw/{worker}/{content}/{tier} the same replica, found by worker
+    f/{content}                a file reference: host, spec
+    a/{artifact}               an artifact: content, owner, created_at, expires_at, parent
+    exp/{expires_at}/{artifact}  leased artifacts by expiry
+    s/{shard}                  a shard lease: holder, token, expires_at
+    i/{instance}               an instance: worker, engine, load, endpoint, heartbeat
+    p/{idempotency key}        a plan record
+"""
+
+from __future__ import annotations
+
+from tensorcast.errors import AlreadyExists, FencingError, IntegrityError, InvalidArgument, NotFound
+from tensorcast.store.base import (
+    DEAD_WORKER_RETENTION_S,
+    DEFAULT_NUM_SHARDS,
+    MAX_PLANS_LISTED,
+    PLAN_RETENTION_S,
+    RECONCILE_GRACE_S,
+    SHARD_HOME_ROLE,
+    ContentInfo,
+    WorkerRegistration,
+    check_num_shards,
+    check_same_layout,
+    fixed_num_shards,
+    validate_art_id,
+)
+from tensorcast.store.etcd_kv import EtcdKV, Item
+from tensorcast.types import (
+    OWNER_LEASE,
+    OWNER_SYSTEM,
+    ArtifactInfo,
+    InstanceInfo,
+    PlanRecord,
+    ReplicaInfo,
+    ShardLease,
+    ShardTable,
+    TensorMeta,
+    WorkerInfo,
+    check_tensor_name,
+)
+
+
+def _exp_key(expires_at: float, art_id: str) -> str:
+    return f"exp/{expires_at:020.6f}/{art_id}"
+
+
+def _replica_keys(content_id: str, worker_id: str, tier: str) -> tuple[str, str]:
+    return f"r/{content_id}/{worker_id}/{tier}", f"rw/{worker_id}/{content_id}/{tier}"
+
+
+class EtcdStore:
+    def __init__(self, kv: EtcdKV, heartbeat_ttl_s: float, unreferenced_grace_s: float) -> None:
+        self.kv = kv
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.unreferenced_grace_s = unreferenced_grace_s
+        self.schema_version = 0  # records are JSON: no schema to migrate
+
+    def describe(self) -> str:
+        return self.kv.describe()
+
+    def members(self) -> list[tuple[str, bool, str]]:
+        return self.kv.member_health()
+
+    def close(self) -> None:
+        pass
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def register_worker(self, reg: WorkerRegistration, now: float) -> None:
+        """A name belongs to one live worker at a time (AlreadyExists for a second)."""
+        for wid, w in self.kv.range("w/").items():
+            if (
+                w.value["name"] == reg.name
+                and wid[2:] != reg.worker_id
+                and w.value["last_heartbeat"] >= now - self.heartbeat_ttl_s
+            ):
+                raise AlreadyExists(
+                    f"a worker named {reg.name!r} ({w.value['addr']}, pid {w.value['pid']}) "
+                    f"heartbeated {now - w.value['last_heartbeat']:.1f}s ago: stop it first "
+                    "(tc worker stop), choose another --name, or, if it died, start again "
+                    f"after {self.heartbeat_ttl_s:.0f}s"
+                )
+        record = {
+            "name": reg.name,
+            "addr": reg.addr,
+            "host_id": reg.host_id,
+            "local_socket": reg.local_socket,
+            "roles": list(reg.roles),
+            "mem_cap_bytes": reg.mem_cap_bytes,
+            "mem_used_bytes": 0,
+            "pid": reg.pid,
+            "registered_at": now,
+            "last_heartbeat": now,
+            "data_addr": reg.data_addr,
+            "active_transfers": 0,
+            "transfer_bytes_total": 0,
+            "disk_used_bytes": 0,
+        }
+        self.kv.txn([], [self.kv.put(f"w/{reg.worker_id}", record)])
+
+    def deregister_worker(self, worker_id: str) -> None:
+        ops = [self.kv.delete(f"w/{worker_id}")]
+        for key in self.kv.range(f"rw/{worker_id}/", keys_only=True):
+            _, _, content_id, tier = key.split("/")
+            ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
+        self.kv.apply(ops)
+
+    def heartbeat(
+        self,
+        worker_id: str,
+        mem_used_bytes: int,
+        content_ids: list[str],
+        now: float,
+        pinned_content_ids: frozenset[str] = frozenset(),
+        active_transfers: int = 0,
+        disk_content_ids: frozenset[str] = frozenset(),
+        transfer_bytes_total: int = 0,
+        disk_used_bytes: int = 0,
+        file_content_ids: frozenset[str] = frozenset(),
+    ) -> list[str]:
+        def beat() -> None:
+            item = self.kv.get(f"w/{worker_id}")
+            if item is None:
+                raise NotFound(f"worker {worker_id} is not registered")
+            record = dict(
+                item.value,
+                last_heartbeat=now,
+                mem_used_bytes=mem_used_bytes,
+                active_transfers=active_transfers,
+                transfer_bytes_total=transfer_bytes_total,
+                disk_used_bytes=disk_used_bytes,
+            )
+            key = f"w/{worker_id}"
+            self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, record)])
+
+        self.kv.optimistic(beat)
+        held = (
+            {(c, "cpu") for c in content_ids}
+            | {(c, "disk") for c in disk_content_ids}
+            | {(c, "file") for c in file_content_ids}
+        )
+        known = {c for c in {c for c, _ in held} if self.kv.get(f"c/{c}") is not None}
+        current = self.kv.range(f"rw/{worker_id}/")
+        ops = []
+        for content_id, tier in held:
+            if content_id not in known:
+                continue
+            pinned = content_id in pinned_content_ids
+            row = current.get(f"rw/{worker_id}/{content_id}/{tier}")
+            if row is not None and row.value["pinned"] == pinned:
+                continue
+            value = {"created_at": row.value["created_at"] if row else now, "pinned": pinned}
+            ops += [self.kv.put(k, value) for k in _replica_keys(content_id, worker_id, tier)]
+        # Replicas the worker no longer holds (dropped or moved without telling us); rows
+        # younger than the grace may postdate this heartbeat's inventory.
+        for key, row in current.items():
+            _, _, content_id, tier = key.split("/")
+            if (content_id, tier) not in held and row.value["created_at"] < now - RECONCILE_GRACE_S:
+                ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
+        self.kv.apply(ops)
+        return sorted({c for c, _ in held} - known)
+
+    def list_workers(self, now: float) -> list[WorkerInfo]:
+        workers = self.kv.range("w/")
+        infos = [
+            self._worker(wid[2:], w.value, now, self.kv.count(f"rw/{wid[2:]}/"))
+            for wid, w in workers.items()
+        ]
+        return sorted(infos, key=lambda w: (w.name, w.worker_id))
+
+    def _worker(self, worker_id: str, r: dict, now: float, num_replicas: int = 0) -> WorkerInfo:
+        age = max(0.0, now - r["last_heartbeat"])
+        return WorkerInfo(
+            worker_id=worker_id,
+            name=r["name"],
+            addr=r["addr"],
+            host_id=r["host_id"],
+            local_socket=r["local_socket"],
+            roles=tuple(r["roles"]),
+            mem_cap_bytes=r["mem_cap_bytes"],
+            mem_used_bytes=r["mem_used_bytes"],
+            pid=r["pid"],
+            registered_at=r["registered_at"],
+            heartbeat_age_s=age,
+            alive=age <= self.heartbeat_ttl_s,
+            data_addr=r["data_addr"],
+            active_transfers=r["active_transfers"],
+            transfer_bytes_total=r["transfer_bytes_total"],
+            disk_used_bytes=r["disk_used_bytes"],
+            num_replicas=num_replicas,
+        )
+
+    def _live_workers(self, now: float) -> set[str]:
+        return {
+            wid[2:]
+            for wid, w in self.kv.range("w/").items()
+            if w.value["last_heartbeat"] >= now - self.heartbeat_ttl_s
+        }
+
+    # -- contents and replicas ------------------------------------------------------------------
+
+    def add_replica(
+        self,
+        worker_id: str,
+        content_id: str,
+        size_bytes: int,
+        tensors: tuple[TensorMeta, ...],
+        now: float,
+        tier: str = "cpu",
+        reference: str = "",
+    ) -> None:
+        if tier not in ("cpu", "file"):
+            raise InvalidArgument(f"unknown replica tier {tier!r}")
+        for t in tensors:
+            check_tensor_name(t.name)
+        layout = [t.to_json() for t in tensors]
+
+        def add() -> None:
+            worker = self.kv.get(f"w/{worker_id}")
+            if worker is None:
+                raise NotFound(f"worker {worker_id} is not registered")
+            content = self.kv.get(f"c/{content_id}")
+            compares = [self.kv.unchanged(f"w/{worker_id}", worker)]
+            ops = []
+            if content is None:
+                record = {"size_bytes": size_bytes, "tensors": layout, "created_at": now, "refs": 0}
+                compares.append(self.kv.unchanged(f"c/{content_id}", None))
+                ops += [
+                    self.kv.put(f"c/{content_id}", record),
+                    self.kv.put(f"unref/{content_id}", 1),
+                ]
+            elif all(t.hash_hex for t in tensors):
+                stored = [TensorMeta.from_json(t) for t in content.value["tensors"]]
+                if not all(t.hash_hex for t in stored):
+                    check_same_layout(content_id, stored, tensors)
+                    compares.append(self.kv.unchanged(f"c/{content_id}", content))
+                    ops.append(self.kv.put(f"c/{content_id}", dict(content.value, tensors=layout)))
+                elif {t.name: t.hash_hex for t in stored} != {t.name: t.hash_hex for t in tensors}:
+                    raise IntegrityError(
+                        f"content {content_id}: this replica's bytes differ from the recorded "
+                        "ones; not registered"
+                    )
+            keys = _replica_keys(content_id, worker_id, tier)
+            if self.kv.get(keys[0]) is None:
+                ops += [self.kv.put(k, {"created_at": now, "pinned": False}) for k in keys]
+            if tier == "file" and reference:
+                host = worker.value["host_id"]
+                spec = {"host_id": host, "spec": reference, "created_at": now}
+                ops.append(self.kv.put(f"f/{content_id}", spec))
+            self.kv.txn(compares, ops)
+
+        self.kv.optimistic(add)
+
+    def list_references(self, host_id: str) -> list[tuple[str, str]]:
+        refs = [
+            (key[2:], f.value)
+            for key, f in self.kv.range("f/").items()
+            if f.value["host_id"] == host_id and self.kv.get(f"c/{key[2:]}") is not None
+        ]
+        return [(c, f["spec"]) for c, f in sorted(refs, key=lambda r: r[1]["created_at"])]
+
+    def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None:
+        ops = []
+        for key in self.kv.range(f"rw/{worker_id}/{content_id}/", keys_only=True):
+            row_tier = key.rsplit("/", 1)[1]
+            if tier in ("", row_tier):
+                ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, row_tier)]
+        self.kv.apply(ops)
+
+    def find_content(self, content_id: str, now: float) -> ContentInfo | None:
+        content = self.kv.get(f"c/{content_id}")
+        if content is None:
+            return None
+        tensors = tuple(TensorMeta.from_json(t) for t in content.value["tensors"])
+        replicas = self._live_replicas(content_id, self._live_workers(now))
+        return ContentInfo(content_id, content.value["size_bytes"], tensors, replicas)
+
+    def _live_replicas(self, content_id: str, live: set[str]) -> tuple[ReplicaInfo, ...]:
+        rows = []
+        for key, r in self.kv.range(f"r/{content_id}/").items():
+            _, _, worker_id, tier = key.split("/")
+            if worker_id in live:
+                rows.append(
+                    (r.value["created_at"], ReplicaInfo(worker_id, tier, r.value["pinned"]))
+                )
+        return tuple(r for _, r in sorted(rows, key=lambda x: x[0]))
+
+    # -- artifacts ------------------------------------------------------------------------------
+
+    def create_artifact(
+        self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str, now: float
+    ) -> tuple[ArtifactInfo, bool]:
+        validate_art_id(art_id)
+        if owner not in (OWNER_SYSTEM, OWNER_LEASE):
+            raise InvalidArgument(f"bad owner {owner!r}: use 'system' or 'lease'")
+        if owner == OWNER_LEASE and not ttl_s > 0:
+            raise InvalidArgument("a caller-leased artifact needs ttl_s > 0")
+        self._expire_one(art_id, now)
+
+        def create() -> bool:
+            existing = self.kv.get(f"a/{art_id}")
+            if existing is not None:
+                if existing.value["content_id"] != content_id:
+                    raise AlreadyExists(
+                        f"artifact {art_id!r} already exists with different content "
+                        "(artifacts are immutable): choose a new id, e.g. a version suffix @v2"
+                    )
+                return True
+            content = self.kv.get(f"c/{content_id}")
+            if content is None:
+                raise NotFound(f"content {content_id} is not held by any worker")
+            expires_at = now + ttl_s if owner == OWNER_LEASE else None
+            record = {
+                "content_id": content_id,
+                "owner": owner,
+                "created_at": now,
+                "expires_at": expires_at,
+                "parent": parent,
+            }
+            ops = [
+                self.kv.put(f"a/{art_id}", record),
+                self.kv.put(f"c/{content_id}", dict(content.value, refs=content.value["refs"] + 1)),
+                self.kv.delete(f"unref/{content_id}"),
+            ]
+            if expires_at is not None:
+                ops.append(self.kv.put(_exp_key(expires_at, art_id), 1))
+            compares = [
+                self.kv.unchanged(f"a/{art_id}", None),
+                self.kv.unchanged(f"c/{content_id}", content),
+            ]
+            self.kv.txn(compares, ops)
+            return False
+
+        existed = self.kv.optimistic(create)
+        return self.get_artifact(art_id, now), existed
+
+    def get_artifact(self, art_id: str, now: float) -> ArtifactInfo:
+        info = self._artifact(art_id, self.kv.get(f"a/{art_id}"), now, None)
+        if info is None:
+            raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
+        return info
+
+    def _artifact(
+        self, art_id: str, item: Item | None, now: float, live: set[str] | None
+    ) -> ArtifactInfo | None:
+        if item is None:
+            return None
+        a = item.value
+        if a["expires_at"] is not None and a["expires_at"] <= now:
+            return None
+        content = self.kv.get(f"c/{a['content_id']}")
+        if content is None:
+            return None
+        live = self._live_workers(now) if live is None else live
+        return ArtifactInfo(
+            art_id=art_id,
+            content_id=a["content_id"],
+            owner=a["owner"],
+            size_bytes=content.value["size_bytes"],
+            tensors=tuple(TensorMeta.from_json(t) for t in content.value["tensors"]),
+            created_at=a["created_at"],
+            expires_at=a["expires_at"],
+            parent=a["parent"] or "",
+            replicas=self._live_replicas(a["content_id"], live),
+        )
+
+    def list_artifacts(self, prefix: str, now: float) -> list[ArtifactInfo]:
+        live = self._live_workers(now)
+        infos = [
+            self._artifact(key[2:], item, now, live)
+            for key, item in sorted(self.kv.range(f"a/{prefix}").items())
+        ]
+        return [i for i in infos if i is not None]
+
+    def delete_artifact(self, art_id: str, now: float) -> None:
+        if not self._remove_artifact(art_id, lambda a: True):
+            raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
+
+    def _remove_artifact(self, art_id: str, should) -> bool:
+        """Remove `art_id` if it exists and `should(record)`; drop its content with the last
+        artifact naming it. Returns whether it was removed."""
+
+        def remove() -> bool:
+            item = self.kv.get(f"a/{art_id}")
+            if item is None or not should(item.value):
+                return False
+            content_id = item.value["content_id"]
+            content = self.kv.get(f"c/{content_id}")
+            compares = [self.kv.unchanged(f"a/{art_id}", item)]
+            ops = [self.kv.delete(f"a/{art_id}")]
+            if item.value["expires_at"] is not None:
+                ops.append(self.kv.delete(_exp_key(item.value["expires_at"], art_id)))
+            if content is not None:
+                compares.append(self.kv.unchanged(f"c/{content_id}", content))
+                refs = content.value["refs"] - 1
+                if refs > 0:
+                    ops.append(self.kv.put(f"c/{content_id}", dict(content.value, refs=refs)))
+                else:
+                    ops += [self.kv.delete(f"c/{content_id}"), self.kv.delete(f"f/{content_id}")]
+            self.kv.txn(compares, ops)
+            if content is not None and refs <= 0:
+                self._drop_replicas(content_id)
+            return True
+
+        return self.kv.optimistic(remove)
+
+    def _drop_replicas(self, content_id: str) -> None:
+        """A dropped content's replica rows (a replica added meanwhile is swept later)."""
+        ops = []
+        for key in self.kv.range(f"r/{content_id}/", keys_only=True):
+            _, _, worker_id, tier = key.split("/")
+            ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
+        self.kv.apply(ops)
+
+    def _expire_one(self, art_id: str, now: float) -> None:
+        self._remove_artifact(
+            art_id, lambda a: a["expires_at"] is not None and a["expires_at"] <= now
+        )
+
+    def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo:
+        if not ttl_s > 0:
+            raise InvalidArgument("ttl_s must be > 0")
+        self._expire_one(art_id, now)
+
+        def renew() -> None:
+            item = self.kv.get(f"a/{art_id}")
+            if item is None:
+                raise NotFound(f"no artifact {art_id!r}: its lease may have expired")
+            if item.value["owner"] != OWNER_LEASE:
+                raise InvalidArgument(f"artifact {art_id!r} is system-owned and has no lease")
+            old, new = item.value["expires_at"], now + ttl_s
+            ops = [
+                self.kv.put(f"a/{art_id}", dict(item.value, expires_at=new)),
+                self.kv.delete(_exp_key(old, art_id)),
+                self.kv.put(_exp_key(new, art_id), 1),
+            ]
+            self.kv.txn([self.kv.unchanged(f"a/{art_id}", item)], ops)
+
+        self.kv.optimistic(renew)
+        return self.get_artifact(art_id, now)
+
+    # -- expiry and garbage collection ----------------------------------------------------------
+
+    def sweep(self, now: float) -> None:
+        for key in self.kv.range("exp/", keys_only=True):
+            _, when, art_id = key.split("/", 2)
+            if float(when) > now:
+                break  # keys sort by expiry
+            self._expire_one(art_id, now)
+        workers = self.kv.range("w/")
+        for wid, w in workers.items():
+            worker_id = wid[2:]
+            beat = w.value["last_heartbeat"]
+            if beat < now - self.heartbeat_ttl_s:
+                self._drop_worker_replicas(worker_id)
+            if beat < now - DEAD_WORKER_RETENTION_S:
+                self.kv.apply([self.kv.delete(wid)])
+        for key in self.kv.range("unref/", keys_only=True):
+            self._collect_unreferenced(key[len("unref/") :], now)
+
+    def _drop_worker_replicas(self, worker_id: str) -> None:
+        ops = []
+        for key in self.kv.range(f"rw/{worker_id}/", keys_only=True):
+            _, _, content_id, tier = key.split("/")
+            ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
+        self.kv.apply(ops)
+
+    def _collect_unreferenced(self, content_id: str, now: float) -> None:
+        def collect() -> bool:
+            content = self.kv.get(f"c/{content_id}")
+            if content is None:
+                self.kv.apply([self.kv.delete(f"unref/{content_id}")])
+                return False
+            if content.value["refs"] > 0:
+                return False
+            if content.value["created_at"] >= now - self.unreferenced_grace_s:
+                return False
+            ops = [
+                self.kv.delete(f"c/{content_id}"),
+                self.kv.delete(f"f/{content_id}"),
+                self.kv.delete(f"unref/{content_id}"),
+            ]
+            self.kv.txn([self.kv.unchanged(f"c/{content_id}", content)], ops)
+            return True
+
+        if self.kv.optimistic(collect):
+            self._drop_replicas(content_id)
+
+    def counts(self) -> tuple[int, int]:
+        return self.kv.count("a/"), self.kv.count("c/")
+
+
+class EtcdCoordination:
+    def __init__(self, store: EtcdStore, num_shards: int | None) -> None:
+        self.store = store
+        self.kv = store.kv
+        self.num_shards = self._settle_num_shards(num_shards)
+
+    def _settle_num_shards(self, requested: int | None) -> int:
+        check_num_shards(requested)
+
+        def settle() -> int:
+            item = self.kv.get("meta/num_shards")
+            if item is not None:
+                return fixed_num_shards(int(item.value), requested)
+            count = requested or DEFAULT_NUM_SHARDS
+            self.kv.txn(
+                [self.kv.unchanged("meta/num_shards", None)],
+                [self.kv.put("meta/num_shards", count)],
+            )
+            return count
+
+        return self.kv.optimistic(settle)
+
+    # -- shard leases ---------------------------------------------------------------------------
+
+    def shard_table(self, now: float) -> ShardTable:
+        workers = {k[2:]: w.value for k, w in self.kv.range("w/").items()}
+        leases = {int(k[2:]): s.value for k, s in self.kv.range("s/").items()}
+        table = []
+        for shard in range(self.num_shards):
+            s = leases.get(shard, {"holder": "", "token": 0, "expires_at": 0.0})
+            w = workers.get(s["holder"], {})
+            table.append(
+                ShardLease(
+                    shard,
+                    s["holder"],
+                    s["token"],
+                    s["expires_at"] - now,
+                    w.get("addr", ""),
+                    w.get("local_socket", ""),
+                    w.get("host_id", ""),
+                )
+            )
+        ttl = self.store.heartbeat_ttl_s
+        homes = tuple(
+            sorted(
+                wid
+                for wid, w in workers.items()
+                if w["last_heartbeat"] >= now - ttl and SHARD_HOME_ROLE in w["roles"]
+            )
+        )
+        return ShardTable(self.num_shards, ttl, tuple(table), homes)
+
+    def _shard_key(self, shard: int) -> str:
+        if not 0 <= shard < self.num_shards:
+            raise InvalidArgument(f"no shard {shard}: the cluster has {self.num_shards}")
+        return f"s/{shard:05d}"
+
+    def acquire_shards(self, worker_id: str, shards: list[int], now: float) -> ShardTable:
+        """Grant each free or expired shard to `worker_id` (renew those it holds already)."""
+        worker = self.kv.get(f"w/{worker_id}")
+        if worker is None:
+            raise NotFound(f"worker {worker_id} is not registered")
+        if SHARD_HOME_ROLE not in worker.value["roles"]:
+            raise InvalidArgument(f"worker {worker_id} does not have the shard-home role")
+        expires_at = now + self.store.heartbeat_ttl_s
+        for shard in shards:
+            key = self._shard_key(shard)
+
+            def acquire(key: str = key) -> None:
+                lease = self.kv.get(key)
+                if lease is None:
+                    record = {"holder": worker_id, "token": 1, "expires_at": expires_at}
+                elif lease.value["holder"] == worker_id and lease.value["expires_at"] > now:
+                    record = dict(lease.value, expires_at=expires_at)
+                elif lease.value["expires_at"] <= now:  # free, or lapsed
+                    token = lease.value["token"] + 1
+                    record = {"holder": worker_id, "token": token, "expires_at": expires_at}
+                else:
+                    return
+                self.kv.txn([self.kv.unchanged(key, lease)], [self.kv.put(key, record)])
+
+            self.kv.optimistic(acquire)
+        return self.shard_table(now)
+
+    def hand_off_shard(
+        self, worker_id: str, shard: int, token: int, to_worker_id: str, now: float
+    ) -> ShardTable:
+        key = self._shard_key(shard)
+        ttl = self.store.heartbeat_ttl_s
+
+        def hand_off() -> None:
+            lease = self.kv.get(key)
+            if (
+                lease is None
+                or lease.value["holder"] != worker_id
+                or lease.value["token"] != token
+                or lease.value["expires_at"] <= now
+            ):
+                raise FencingError(
+                    f"worker {worker_id} does not hold shard {shard} under token {token}"
+                )
+            target = self.kv.get(f"w/{to_worker_id}")
+            if (
+                target is None
+                or target.value["last_heartbeat"] < now - ttl
+                or SHARD_HOME_ROLE not in target.value["roles"]
+            ):
+                raise InvalidArgument(
+                    f"worker {to_worker_id} is not a live shard-home worker: no hand-off"
+                )
+            record = {"holder": to_worker_id, "token": token + 1, "expires_at": now + ttl}
+            self.kv.txn([self.kv.unchanged(key, lease)], [self.kv.put(key, record)])
+
+        self.kv.optimistic(hand_off)
+        return self.shard_table(now)
+
+    def renew_shards(self, worker_id: str, held: list[tuple[int, int]], now: float) -> None:
+        """Heartbeat renewal: only leases still held by `worker_id` under the same token."""
+        for shard, token in held:
+            if not 0 <= shard < self.num_shards:
+                continue
+            key = self._shard_key(shard)
+
+            def renew(key: str = key, token: int = token) -> None:
+                lease = self.kv.get(key)
+                if (
+                    lease is None
+                    or lease.value["holder"] != worker_id
+                    or lease.value["token"] != token
+                    or lease.value["expires_at"] <= now
+                ):
+                    return
+                record = dict(lease.value, expires_at=now + self.store.heartbeat_ttl_s)
+                self.kv.txn([self.kv.unchanged(key, lease)], [self.kv.put(key, record)])
+
+            self.kv.optimistic(renew)
+
+    def release_shards(self, worker_id: str) -> None:
+        """A worker leaving cleanly frees its shards at once (the token stays for fencing)."""
+        for key, lease in self.kv.range("s/").items():
+            if lease.value["holder"] != worker_id:
+                continue
+
+            def release(key: str = key) -> None:
+                current = self.kv.get(key)
+                if current is None or current.value["holder"] != worker_id:
+                    return
+                record = dict(current.value, expires_at=0.0)
+                self.kv.txn([self.kv.unchanged(key, current)], [self.kv.put(key, record)])
+
+            self.kv.optimistic(release)
+        ops = [
+            self.kv.delete(k)
+            for k, i in self.kv.range("i/").items()
+            if i.value["worker_id"] == worker_id
+        ]
+        self.kv.apply(ops)
+
+    # -- instances ------------------------------------------------------------------------------
+
+    def report_instances(self, worker_id: str, instances: list[InstanceInfo], now: float) -> None:
+        current = self.kv.range("i/")
+        ops = []
+        for inst in instances:
+            old = current.get(f"i/{inst.instance_id}")
+            record = {
+                "worker_id": worker_id,
+                "engine": inst.engine,
+                "registered_at": old.value["registered_at"] if old else now,
+                "last_heartbeat": now,
+                "endpoint": inst.endpoint,
+                "load": {
+                    "waiting": inst.waiting,
+                    "running": inst.running,
+                    "cached_tokens": inst.cached_tokens,
+                    "requests": list(inst.requests),
+                },
+            }
+            ops.append(self.kv.put(f"i/{inst.instance_id}", record))
+        reported = {f"i/{i.instance_id}" for i in instances}
+        ops += [
+            self.kv.delete(k)
+            for k, i in current.items()
+            if i.value["worker_id"] == worker_id and k not in reported
+        ]
+        self.kv.apply(ops)
+
+    def list_instances(self, now: float) -> list[InstanceInfo]:
+        workers = {k[2:]: w.value for k, w in self.kv.range("w/").items()}
+        ttl = self.store.heartbeat_ttl_s
+        result = []
+        for key, item in sorted(self.kv.range("i/").items()):
+            i = item.value
+            w = workers.get(i["worker_id"])
+            load = i["load"]
+            age = max(0.0, now - i["last_heartbeat"])
+            result.append(
+                InstanceInfo(
+                    instance_id=key[2:],
+                    worker_id=i["worker_id"],
+                    engine=i["engine"],
+                    endpoint=i["endpoint"],
+                    waiting=load.get("waiting", 0),
+                    running=load.get("running", 0),
+                    cached_tokens=load.get("cached_tokens", 0),
+                    requests=tuple(load.get("requests", ())),
+                    heartbeat_age_s=age,
+                    alive=age <= ttl and w is not None and now - w["last_heartbeat"] <= ttl,
+                    worker_name=w["name"] if w else "",
+                )
+            )
+        return result
+
+    # -- plan results ---------------------------------------------------------------------------
+
+    def begin_plan(self, record: PlanRecord, now: float) -> tuple[bool, PlanRecord | None]:
+        """Claim `record.idempotency_key` (see SqliteCoordination.begin_plan)."""
+        key = f"p/{record.idempotency_key}"
+
+        def begin() -> tuple[bool, PlanRecord | None]:
+            item = self.kv.get(key)
+            previous = _plan(record.idempotency_key, item.value) if item else None
+            if previous is not None and (
+                previous.status == "ok"
+                or (previous.status == "running" and previous.deadline_at > now)
+            ):
+                return False, previous
+            value = {
+                "trace_id": record.trace_id,
+                "status": "running",
+                "result": record.result,
+                "created_at": now,
+                "finished_at": 0.0,
+                "deadline_at": record.deadline_at,
+            }
+            self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, value)])
+            return True, previous
+
+        return self.kv.optimistic(begin)
+
+    def finish_plan(self, record: PlanRecord, now: float) -> None:
+        if record.status not in ("ok", "failed"):
+            raise InvalidArgument(f"a finished plan is ok or failed, not {record.status!r}")
+        key = f"p/{record.idempotency_key}"
+
+        def finish() -> None:
+            item = self.kv.get(key)
+            if item is None or item.value["trace_id"] != record.trace_id:
+                raise NotFound(
+                    f"plan {record.idempotency_key!r} (trace {record.trace_id}) is not running"
+                )
+            value = dict(item.value, status=record.status, result=record.result, finished_at=now)
+            self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, value)])
+
+        self.kv.optimistic(finish)
+
+    def get_plan(self, key: str) -> PlanRecord:
+        item = self.kv.get(f"p/{key}")
+        if item is None:
+            raise NotFound(f"no plan recorded under {key!r}")
+        return _plan(key, item.value)
+
+    def list_plans(self, limit: int) -> list[PlanRecord]:
+        limit = max(1, min(limit or 50, MAX_PLANS_LISTED))
+        plans = [_plan(k[2:], p.value) for k, p in self.kv.range("p/").items()]
+        return sorted(plans, key=lambda p: p.created_at, reverse=True)[:limit]
+
+    def sweep(self, now: float) -> None:
+        self.kv.apply(
+            [
+                self.kv.delete(k)
+                for k, p in self.kv.range("p/").items()
+                if p.value["status"] != "running"
+                and p.value["finished_at"] < now - PLAN_RETENTION_S
+            ]
+        )
+
+
+def _plan(key: str, p: dict) -> PlanRecord:
+    return PlanRecord(
+        key,
+        p["trace_id"],
+        p["status"],
+        p["result"] or {},
+        p["created_at"],
+        p["finished_at"] or 0.0,
+        p["deadline_at"] or 0.0,
+    )
