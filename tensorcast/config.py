@@ -86,6 +86,50 @@ def parse_store_addrs(addrs: str) -> list[str]:
     return members
 
 
+TLS_DIR = "tls"  # in the state dir: ca.pem, cert.pem, key.pem (written by `tc up --tls`)
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files for mutual TLS: the CA that signs every member's certificate, and this
+    process's own certificate and key (a server's identity, and a client's proof)."""
+
+    ca: str
+    cert: str
+    key: str
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        try:
+            return tuple(Path(p).read_bytes() for p in (self.ca, self.cert, self.key))  # type: ignore[return-value]
+        except OSError as e:
+            raise InvalidArgument(f"cannot read a TLS file: {e}") from None
+
+
+def tls_files(
+    state_dir: Path | None = None,
+    ca: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+) -> TLSFiles | None:
+    """The TLS files to use: flags, else TC_TLS_CA/TC_TLS_CERT/TC_TLS_KEY, else the state dir's
+    tls/ folder when it holds them; None (plaintext) when none of these names any. All three
+    or none."""
+    given = [
+        ca or os.environ.get("TC_TLS_CA") or None,
+        cert or os.environ.get("TC_TLS_CERT") or None,
+        key or os.environ.get("TC_TLS_KEY") or None,
+    ]
+    if not any(given) and state_dir is not None:
+        folder = state_dir / TLS_DIR
+        if (folder / "ca.pem").exists():
+            given = [str(folder / n) for n in ("ca.pem", "cert.pem", "key.pem")]
+    if not any(given):
+        return None
+    if not all(given):
+        raise InvalidArgument("TLS needs all of --tls-ca, --tls-cert and --tls-key (or TC_TLS_*)")
+    return TLSFiles(*given)  # type: ignore[arg-type]
+
+
 def default_state_dir() -> Path:
     if env := os.environ.get("TC_STATE_DIR"):
         return Path(env)

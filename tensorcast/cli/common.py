@@ -36,6 +36,29 @@ TokenOpt = Annotated[
         show_default=False,
     ),
 ]
+TlsCaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tls-ca",
+        help="CA certificate (PEM) that signs every member's certificate; with --tls-cert and "
+        "--tls-key, all gRPC traffic is mutual TLS (env TC_TLS_CA; default: STATE_DIR/tls).",
+        show_default=False,
+    ),
+]
+TlsCertOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tls-cert",
+        help="This process's certificate (PEM) (env TC_TLS_CERT).",
+        show_default=False,
+    ),
+]
+TlsKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tls-key", help="This process's private key (PEM) (env TC_TLS_KEY).", show_default=False
+    ),
+]
 MetricsListenOpt = Annotated[
     str,
     typer.Option("--metrics-listen", help="HOST:PORT for /metrics and /healthz (port 0: any)."),

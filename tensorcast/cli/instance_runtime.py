@@ -25,7 +25,7 @@ def open_runtime(
         raise InvalidArgument("no cluster token: pass --token, set TC_TOKEN, or use the state dir")
     if ":" in worker:  # HOST:PORT of the worker: it knows its store
         config.parse_host_port(worker)
-        channel = make_channel(worker)
+        channel = make_channel(worker, config.tls_files(state_dir or config.default_state_dir()))
         try:
             stub = Stub(pb_grpc.WorkerServiceStub(channel), f"worker {worker}", token, 10.0)
             status = stub.call("Status", pb.Empty())

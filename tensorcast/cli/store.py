@@ -12,6 +12,9 @@ from tensorcast.cli.common import (
     JsonOpt,
     MetricsListenOpt,
     StateDirOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
     TokenOpt,
     announce,
     state_dir_of,
@@ -58,6 +61,9 @@ def start(
         ),
     ] = None,
     token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
     ready_file: Annotated[
@@ -72,7 +78,7 @@ def start(
     import logging
     import secrets
 
-    from tensorcast.config import env_token, parse_host_port, parse_store_addrs, timing
+    from tensorcast.config import env_token, parse_host_port, parse_store_addrs, timing, tls_files
     from tensorcast.errors import InvalidArgument
     from tensorcast.sdk.cluster_file import read_token, write_token
     from tensorcast.store.server import open_backend, serve
@@ -114,4 +120,5 @@ def start(
             {"addr": addr, "pid": os.getpid(), "metrics_addr": metrics_addr},
         ),
         metrics_listen=metrics_listen,
+        tls=tls_files(directory, tls_ca, tls_cert, tls_key),
     )

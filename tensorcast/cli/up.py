@@ -51,6 +51,14 @@ def command(
             "between them. Kept for later tc up runs of this state dir.",
         ),
     ] = False,
+    tls: Annotated[
+        bool,
+        typer.Option(
+            "--tls",
+            help="Mutual TLS everywhere: a local CA and a certificate in STATE_DIR/tls, given to "
+            "every process; tc commands find them there. Kept for later tc up runs.",
+        ),
+    ] = False,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -59,7 +67,7 @@ def command(
 
     if mem is not None:
         parse_size(mem)  # a bad size fails here, before anything starts
-    result = up(state_dir_of(state_dir), workers, mem, disk=disk, ha=ha)
+    result = up(state_dir_of(state_dir), workers, mem, disk=disk, ha=ha, tls=tls)
     r = result.record
     data = {
         "already_running": result.already_running,

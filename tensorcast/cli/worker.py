@@ -13,6 +13,9 @@ from tensorcast.cli.common import (
     JsonOpt,
     MetricsListenOpt,
     StateDirOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
     TokenOpt,
     announce,
     state_dir_of,
@@ -64,6 +67,9 @@ def start(
     ] = 0,
     metrics_listen: MetricsListenOpt = "127.0.0.1:0",
     token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
     ready_file: Annotated[
@@ -79,7 +85,14 @@ def start(
     registered with the Global Store and heartbeating."""
     import logging
 
-    from tensorcast.config import env_token, parse_host_port, parse_size, parse_store_addrs, timing
+    from tensorcast.config import (
+        env_token,
+        parse_host_port,
+        parse_size,
+        parse_store_addrs,
+        timing,
+        tls_files,
+    )
     from tensorcast.errors import InvalidArgument
     from tensorcast.sdk.cluster_file import read_token
     from tensorcast.worker.server import parse_roles, serve
@@ -94,6 +107,7 @@ def start(
     if not token:
         raise InvalidArgument("no cluster token: pass --token or set TC_TOKEN")
     t = timing()
+    tls = tls_files(state_dir_of(state_dir), tls_ca, tls_cert, tls_key)
     serve(
         store,
         listen,
@@ -107,6 +121,7 @@ def start(
         metrics_listen=metrics_listen,
         gpu_mem_bytes=gpu_mem_bytes,
         gpu_device=gpu_device,
+        tls=tls,
         on_ready=lambda node: announce(
             ready_file,
             as_json,

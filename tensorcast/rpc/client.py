@@ -7,24 +7,28 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tensorcast.config import MAX_MESSAGE_BYTES, parse_store_addrs
+from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, parse_store_addrs
 from tensorcast.errors import Unavailable, error_for_grpc_code
 from tensorcast.rpc.server import ERROR_MARK, TOKEN_METADATA_KEY
 
 T = TypeVar("T")
 
 
-def make_channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(
-        addr,
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.enable_retries", 0),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ],
+def make_channel(addr: str, tls: TLSFiles | None = None) -> grpc.Channel:
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+    if tls is None:
+        return grpc.insecure_channel(addr, options=options)
+    ca, cert, key = tls.read()
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
     )
+    return grpc.secure_channel(addr, credentials, options=options)
 
 
 def translate(error: grpc.RpcError, target: str) -> Exception:
@@ -34,6 +38,18 @@ def translate(error: grpc.RpcError, target: str) -> Exception:
     if details and details.startswith(ERROR_MARK):
         return error_for_grpc_code(code_name)(details[len(ERROR_MARK) :])
     if code_name == "UNAVAILABLE":
+        if any(w in (details or "").lower() for w in ("ssl", "handshake", "certificate", "tls")):
+            return Unreachable(
+                f"TLS with {target} failed: {details}. Both ends need certificates from one CA "
+                "(--tls-ca/--tls-cert/--tls-key or TC_TLS_*; `tc up --tls` writes them to "
+                "STATE_DIR/tls), or both none"
+            )
+        if "socket closed" in (details or "").lower():
+            return Unreachable(
+                f"{target} closed the connection: {details}. A TLS server closes plaintext "
+                "connections: give this client the cluster's TLS files (TC_TLS_CA/CERT/KEY, or "
+                "STATE_DIR/tls)"
+            )
         return Unreachable(f"cannot reach {target}: {details}. Is it running? (tc status)")
     if code_name == "DEADLINE_EXCEEDED":
         details = f"{target} did not answer in time: {details}"
@@ -83,9 +99,10 @@ class FailoverStub:
         what: str,
         token: str,
         timeout_s: float,
+        tls: TLSFiles | None = None,
     ) -> None:
         self.addrs = parse_store_addrs(addrs)
-        self._channels = [make_channel(a) for a in self.addrs]
+        self._channels = [make_channel(a, tls) for a in self.addrs]
         self._stubs = [
             Stub(make_stub(c), f"{what} {a}", token, timeout_s)
             for a, c in zip(self.addrs, self._channels)

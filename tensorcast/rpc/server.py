@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from tensorcast.config import MAX_MESSAGE_BYTES
+from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles
 from tensorcast.errors import TensorcastError
 from tensorcast.metrics import RPC_LATENCY
 
@@ -112,11 +112,20 @@ def make_server(token: str, max_workers: int = 16) -> grpc.Server:
     )
 
 
-def bind(server: grpc.Server, listen: str) -> str:
-    """Bind HOST:PORT (port 0 = ephemeral); returns the bound address."""
+def bind(server: grpc.Server, listen: str, tls: TLSFiles | None = None) -> str:
+    """Bind HOST:PORT (port 0 = ephemeral); returns the bound address. With `tls`, only
+    clients presenting a certificate signed by its CA get through (mutual TLS); the token
+    check stays."""
     host = listen.rpartition(":")[0]
     try:
-        port = server.add_insecure_port(listen)
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            ca, cert, key = tls.read()
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca, require_client_auth=True
+            )
+            port = server.add_secure_port(listen, credentials)
     except RuntimeError as e:
         raise TensorcastError(f"cannot listen on {listen}: {e}") from None
     if port == 0:

@@ -129,6 +129,7 @@ class Layout:
     ha: bool = False
     etcd: list[dict] = field(default_factory=list)  # EtcdMember records (--ha)
     etcd_token: str = ""
+    tls: bool = False  # every process speaks mutual TLS with STATE_DIR/tls
 
     @classmethod
     def load(cls, state_dir: Path) -> Layout:
@@ -153,6 +154,7 @@ def up(
     listen_host: str = "127.0.0.1",
     disk: Path | None = None,
     ha: bool = False,
+    tls: bool = False,
 ) -> UpResult:
     """Bring up a store and `workers` workers (by default as last time in this state dir).
 
@@ -160,7 +162,8 @@ def up(
     them reconnect and report their inventory again. Processes of the cluster still running
     are adopted, never started twice; missing workers start under their old names (with a disk
     tier, what they held is readable again). `ha`: a 3-member etcd cluster and two Global Store
-    processes serving it; workers and callers fail over between the stores."""
+    processes serving it; workers and callers fail over between the stores. `tls`: a local CA
+    and certificate in STATE_DIR/tls, and every process (and `tc`) speaks mutual TLS."""
     state_dir = state_dir.resolve()  # the processes run in state_dir/run
     with _state_lock(state_dir):
         layout = Layout.load(state_dir)
@@ -170,7 +173,13 @@ def up(
                 f"{state_dir} holds a cluster on sqlite: --ha needs a new state dir (its records "
                 "would not move to etcd)"
             )
+        if tls and not fresh and not layout.tls:
+            raise InvalidArgument(
+                f"{state_dir} holds a plaintext cluster: `tc down` it and remove {state_dir} "
+                "first, or use a new --state-dir for --tls"
+            )
         layout.ha = layout.ha or ha
+        layout.tls = layout.tls or tls
         layout.workers = workers or layout.workers
         layout.mem = mem or layout.mem
         layout.disk = str(disk.resolve()) if disk else layout.disk
@@ -187,6 +196,12 @@ def up(
         (state_dir / "run").mkdir(exist_ok=True)
         result = UpResult(ClusterRecord("", time.time()), False, state_dir)
         spawned: list[subprocess.Popen] = []
+        tls_args = []
+        if layout.tls:
+            from tensorcast.sdk.tls_certs import local_cluster_tls
+
+            files = local_cluster_tls(state_dir)
+            tls_args = ["--tls-ca", files.ca, "--tls-cert", files.cert, "--tls-key", files.key]
         try:
             endpoints = _up_etcd(state_dir, layout, listen_host, live, result, spawned)
             workers_live = any(n.startswith("worker-") for n in live)
@@ -200,7 +215,14 @@ def up(
                 old = saved[i] if i < len(saved) else ""
                 stores.append(
                     _start_store(
-                        state_dir, name, old, listen_host, token, endpoints, workers_live, spawned
+                        state_dir,
+                        name,
+                        old,
+                        listen_host,
+                        token,
+                        [*endpoints_args(endpoints), *tls_args],
+                        workers_live,
+                        spawned,
                     )
                 )
                 result.started.append(name)
@@ -208,7 +230,7 @@ def up(
             result.record.processes += stores
             layout.save(state_dir)
             _forget_dead_workers(
-                result.record.store_addr, token, [n for n in names if n not in live]
+                state_dir, result.record.store_addr, token, [n for n in names if n not in live]
             )
             pending = []
             for name in names:
@@ -219,7 +241,7 @@ def up(
                     result.record.processes.append(live[name])
                     continue
                 args = ["--store", result.record.store_addr, "--listen", f"{listen_host}:0"]
-                args += ["--mem", layout.mem]
+                args += ["--mem", layout.mem, *tls_args]
                 if layout.disk:
                     args += ["--disk", str(Path(layout.disk) / name)]
                 pending.append(_start_worker(state_dir, name, args, token, spawned))
@@ -276,13 +298,19 @@ def _up_etcd(
     return [m.client_addr for m in members]
 
 
+def endpoints_args(etcd_endpoints: list[str]) -> list[str]:
+    if not etcd_endpoints:
+        return []
+    return ["--backend", "etcd", "--etcd-endpoints", ",".join(etcd_endpoints)]
+
+
 def _start_store(
     state_dir: Path,
     name: str,
     old_addr: str,
     listen_host: str,
     token: str,
-    etcd_endpoints: list[str],
+    extra_args: list[str],
     workers_live: bool,
     spawned: list[subprocess.Popen],
 ) -> ProcessRecord:
@@ -290,15 +318,14 @@ def _start_store(
     alive a new port does as well when the old one is taken meanwhile."""
     log = state_dir / "logs" / f"{name}.log"
     ready = state_dir / "run" / f"{name}.json"
-    if etcd_endpoints:
-        records = ["--backend", "etcd", "--etcd-endpoints", ",".join(etcd_endpoints)]
-    else:
-        records = ["--db", str(state_dir / "store.db")]
+    records = [] if "--backend" in extra_args else ["--db", str(state_dir / "store.db")]
     listens = [old_addr] if old_addr else []
     if not (listens and workers_live):
         listens.append(f"{listen_host}:0")
     for i, listen in enumerate(listens):
-        proc = _spawn(["store", "start", *records, "--listen", listen], log, token, ready)
+        proc = _spawn(
+            ["store", "start", *records, *extra_args, "--listen", listen], log, token, ready
+        )
         spawned.append(proc)
         try:
             info = _wait_ready(proc, ready, log)
@@ -320,7 +347,7 @@ def _start_worker(
     return name, proc, ready, log
 
 
-def _forget_dead_workers(store_addr: str, token: str, names: list[str]) -> None:
+def _forget_dead_workers(state_dir: Path, store_addr: str, token: str, names: list[str]) -> None:
     """Workers of this host about to start again under their old names: their processes are
     gone (checked by pid), so their registrations go too rather than hold the names until
     their heartbeats expire. A live worker of such a name stays (the new one is refused)."""
@@ -329,7 +356,9 @@ def _forget_dead_workers(store_addr: str, token: str, names: list[str]) -> None:
 
     if not names:
         return
-    rt = Runtime(store_addr, token, 10.0)
+    from tensorcast.config import tls_files
+
+    rt = Runtime(store_addr, token, 10.0, tls_files(state_dir))
     try:
         for w in rt.workers():
             if w.name in names and rt.is_local(w) and not _is_ours(w.pid):

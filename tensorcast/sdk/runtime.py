@@ -55,12 +55,15 @@ def connect(
     *,
     state_dir: str | os.PathLike[str] | None = None,
     timeout_s: float | None = None,
+    tls: config.TLSFiles | None = None,
 ) -> Runtime:
     """Connect to a cluster's Global Store.
 
     With no `addr`, uses `TC_ADDR`, else the local cluster recorded in the state dir
     (`--state-dir`, `TC_STATE_DIR`, default ~/.local/state/tensorcast). The token comes from
-    `token`, `TC_TOKEN`, or the state dir. Raises `Unavailable` when no cluster can be found.
+    `token`, `TC_TOKEN`, or the state dir; TLS files from `tls`, `TC_TLS_CA/CERT/KEY`, or the
+    state dir's tls/ folder (plaintext when none). Raises `Unavailable` when no cluster can be
+    found.
     """
     directory = Path(state_dir) if state_dir else config.default_state_dir()
     addr = addr or config.env_addr()
@@ -75,19 +78,27 @@ def connect(
     token = token or config.env_token() or read_token(directory)
     if not token:
         raise InvalidArgument("no cluster token: pass --token, set TC_TOKEN, or use the state dir")
-    runtime = Runtime(addr, token, timeout_s or config.timing().rpc_timeout_s)
+    tls = tls or config.tls_files(directory)
+    runtime = Runtime(addr, token, timeout_s or config.timing().rpc_timeout_s, tls)
     runtime.store_status()  # fail fast on a wrong address or token
     return runtime
 
 
 class Runtime:
-    def __init__(self, store_addr: str, token: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store_addr: str,
+        token: str,
+        timeout_s: float,
+        tls: config.TLSFiles | None = None,
+    ) -> None:
         self.store_addr = store_addr
         self.token = token
         self.timeout_s = timeout_s
+        self.tls = tls
         self.host_id = config.host_id()
         self.store = FailoverStub(
-            store_addr, pb_grpc.GlobalStoreStub, "global store", token, timeout_s
+            store_addr, pb_grpc.GlobalStoreStub, "global store", token, timeout_s, tls
         )
         self._worker_stubs: dict[str, tuple[Any, Stub, str]] = {}
         self._local: dict[str, LocalConnection] = {}
@@ -110,7 +121,7 @@ class Runtime:
         with self._lock:
             cached = self._worker_stubs.get(worker_id)
             if cached is None or cached[2] != addr:
-                channel = make_channel(addr)
+                channel = make_channel(addr, self.tls)
                 stub = Stub(
                     pb_grpc.WorkerServiceStub(channel),
                     f"worker {name or worker_id} ({addr})",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tensorcast.config import parse_host_port
+from tensorcast.config import TLSFiles, parse_host_port
 from tensorcast.errors import InvalidArgument, Unavailable
 
 T = TypeVar("T")
@@ -34,13 +34,6 @@ class Conflict(Exception):
 class Item:
     value: Any  # the decoded JSON record
     mod_revision: int
-
-
-@dataclass(frozen=True)
-class TLSFiles:
-    ca: str
-    cert: str = ""
-    key: str = ""
 
 
 def _b64(text: str) -> str:

@@ -8,13 +8,12 @@ import threading
 import time
 from pathlib import Path
 
-from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S
+from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S, TLSFiles
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
 from tensorcast.store.base import Coordination, MetadataStore
 from tensorcast.store.coordination import SqliteCoordination
-from tensorcast.store.etcd_kv import TLSFiles
 from tensorcast.store.service import GlobalStoreService
 from tensorcast.store.sqlite_store import SqliteStore
 
@@ -94,6 +93,7 @@ def serve(
     on_ready=None,
     stop_event: threading.Event | None = None,
     metrics_listen: str = "127.0.0.1:0",
+    tls: TLSFiles | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`). `on_ready(addr)` runs once listening."""
     store, coord = backend
@@ -102,7 +102,7 @@ def serve(
     pb_grpc.add_GlobalStoreServicer_to_server(
         GlobalStoreService(store, coord, db_path, heartbeat_ttl_s), server
     )
-    addr = bind(server, listen)
+    addr = bind(server, listen, tls)
     server.start()
     metrics = MetricsServer(
         metrics_listen,

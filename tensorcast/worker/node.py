@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
-from tensorcast.config import host_id
+from tensorcast.config import TLSFiles, host_id
 from tensorcast.errors import (
     IntegrityError,
     NotFound,
@@ -56,6 +56,7 @@ class WorkerNode:
         roles: tuple[str, ...],
         rpc_timeout_s: float,
         disk: DiskTier | None = None,
+        tls: TLSFiles | None = None,
     ) -> None:
         self.pool = pool
         self.disk = disk
@@ -81,8 +82,9 @@ class WorkerNode:
         self.instances = Instances(self.worker_id, self.name)
         self.instances.on_change = self._report_soon
         # One address, or several members of a replicated store ("h1:7400,h2:7400").
+        self.tls = tls
         self.store = FailoverStub(
-            store_addr, pb_grpc.GlobalStoreStub, "global store", token, rpc_timeout_s
+            store_addr, pb_grpc.GlobalStoreStub, "global store", token, rpc_timeout_s, tls
         )
         self._stop = threading.Event()
         self.last_heartbeat_ok = time.monotonic()
@@ -98,7 +100,7 @@ class WorkerNode:
             stub = self._peers.get((worker_id, addr))
             if stub is None:
                 stub = Stub(
-                    pb_grpc.WorkerServiceStub(make_channel(addr)),
+                    pb_grpc.WorkerServiceStub(make_channel(addr, self.tls)),
                     f"worker {name or worker_id} ({addr})",
                     self.token,
                     30.0,

@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from tensorcast.config import fault_injection
+from tensorcast.config import TLSFiles, fault_injection
 from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorcastError
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
@@ -132,6 +132,7 @@ def serve(
     stop_event: threading.Event | None = None,
     gpu_mem_bytes: int = 0,
     gpu_device: int = 0,
+    tls: TLSFiles | None = None,
 ) -> None:
     available = psutil.virtual_memory().available
     if mem_bytes > available:
@@ -147,7 +148,7 @@ def serve(
             raise type(e)(f"--gpu-mem (a GPU tier on cuda:{gpu_device}): {e}") from None
     pool = Pool(mem_bytes)
     disk = DiskTier(disk_dir) if disk_dir else None
-    node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s, disk)
+    node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s, disk, tls)
     # Attach streams hold a thread each for their lifetime; plans nest calls between workers.
     server = make_server(token, max_workers=64)
     host = listen.rpartition(":")[0]
@@ -161,7 +162,7 @@ def serve(
     gpu = GpuTier(pool, node.load_and_hold, gpu_mem_bytes, gpu_device) if gpu_mem_bytes else None
     service = WorkerService(node, transfers)
     pb_grpc.add_WorkerServiceServicer_to_server(service, server)
-    node.addr = advertised(bind(server, listen))
+    node.addr = advertised(bind(server, listen, tls))
     node.data_addr = advertised(f"{host}:{data_server.port}")
     server.start()
     local = LocalServer(node, gpu)

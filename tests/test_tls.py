@@ -1,0 +1,125 @@
+"""Mutual TLS with real processes: `tc up --tls` (a local CA, every process and `tc` speaking
+TLS), and what is refused: plaintext clients, a wrong CA, no client certificate, an expired
+certificate, a TLS client to a plaintext store. The token check stays under TLS."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from conftest import Cluster
+
+import tensorcast as tc
+from tensorcast.config import TLSFiles
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
+from tensorcast.sdk.runtime import Runtime
+from tensorcast.sdk.tls_certs import issue
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("tls") / "state", None)  # type: ignore[arg-type]
+    up = json.loads(
+        c.tc("up", "--tls", "--workers", "2", "--mem", "64MiB", "--json", check=True).stdout
+    )
+    c.record = type("R", (), {"store_addr": up["store_addr"]})()  # type: ignore[assignment]
+    yield c
+    c.tc("down")
+
+
+def _status(addr: str, token: str, tls: TLSFiles | None) -> None:
+    rt = Runtime(addr, token, 10.0, tls)
+    try:
+        rt.store_status()
+    finally:
+        rt.close()
+
+
+def test_everything_speaks_tls_and_tc_finds_the_files_in_the_state_dir(tls_cluster, tmp_path):
+    c = tls_cluster
+    assert sorted(p.name for p in (c.state_dir / "tls").iterdir()) == [
+        "ca-key.pem",
+        "ca.pem",
+        "cert.pem",
+        "key.pem",
+    ]
+    assert (c.state_dir / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
+    status = json.loads(c.tc("status", "--json", check=True).stdout)
+    assert status["healthy"] and len(status["components"]) == 3
+    with c.connect() as rt:
+        art = rt.put({"w": torch.arange(1000.0)}, "secret", worker="worker-1")
+        assert art.prefetch("worker-2").bytes_moved > 0  # worker to worker, under TLS
+        rt.host_id = "elsewhere"  # a remote caller: bytes come over the (TLS) gRPC stream
+        assert torch.equal(rt.artifact("secret").tensor_dict()["w"], torch.arange(1000.0))
+    out = tmp_path / "out.safetensors"
+    c.tc("get", "secret", "-o", str(out), check=True)
+    assert out.stat().st_size > 4000
+
+
+def test_clients_without_the_clusters_certificates_are_refused(tls_cluster, tmp_path):
+    c = tls_cluster
+    addr, token = c.record.store_addr, c.token
+    files = TLSFiles(*(str(c.state_dir / "tls" / n) for n in ("ca.pem", "cert.pem", "key.pem")))
+    _status(addr, token, files)  # the right files get through
+    with pytest.raises(tc.Unavailable, match="TLS server closes plaintext"):
+        _status(addr, token, None)
+    other_ca = issue(tmp_path / "other")
+    with pytest.raises(tc.Unavailable, match="TLS with global store"):
+        _status(addr, token, other_ca)
+    expired = issue(
+        tmp_path / "expired",
+        ca_files=(c.state_dir / "tls" / "ca.pem", c.state_dir / "tls" / "ca-key.pem"),
+        not_before=datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc),
+        not_after=datetime.datetime(2021, 1, 1, tzinfo=datetime.timezone.utc),
+    )
+    with pytest.raises(tc.Unavailable):
+        _status(addr, token, expired)
+    # A client that trusts the CA but shows no certificate of its own: mutual TLS refuses it.
+    channel = grpc.secure_channel(
+        addr, grpc.ssl_channel_credentials(root_certificates=Path(files.ca).read_bytes())
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        pb_grpc.GlobalStoreStub(channel).Status(
+            pb.Empty(), metadata=(("x-tensorcast-token", token),), timeout=10
+        )
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()
+    with pytest.raises(tc.Unauthenticated):  # TLS does not replace the token
+        _status(addr, "wrong-token", files)
+    bad = c.tc(
+        "status",
+        env={
+            "TC_TLS_CA": str(other_ca.ca),
+            "TC_TLS_CERT": other_ca.cert,
+            "TC_TLS_KEY": other_ca.key,
+        },
+    )
+    assert bad.returncode == tc.Unavailable.exit_code and "TLS" in bad.stdout + bad.stderr
+
+
+def test_a_tls_client_is_refused_by_a_plaintext_store(cluster, tmp_path):
+    with pytest.raises(tc.Unavailable, match="TLS with global store"):
+        _status(cluster.record.store_addr, cluster.token, issue(tmp_path / "ca"))
+
+
+def test_tls_files_come_as_three_or_not_at_all(tmp_path, monkeypatch):
+    from tensorcast.config import tls_files
+
+    monkeypatch.delenv("TC_TLS_CA", raising=False)
+    assert tls_files(tmp_path) is None
+    with pytest.raises(tc.InvalidArgument, match="all of"):
+        tls_files(tmp_path, ca="ca.pem")
+    with pytest.raises(tc.InvalidArgument, match="cannot read"):
+        TLSFiles("/nope/ca.pem", "/nope/c.pem", "/nope/k.pem").read()
+    c = Cluster(tmp_path / "state", None)  # type: ignore[arg-type]
+    c.tc("up", "--mem", "16MiB", check=True)
+    try:
+        proc = c.tc("up", "--tls")
+        assert proc.returncode == tc.InvalidArgument.exit_code and "plaintext" in proc.stderr
+    finally:
+        c.tc("down")
