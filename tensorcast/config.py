@@ -6,6 +6,7 @@ Stays import-light (no torch, grpc) because `tc --help` imports it.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
 from dataclasses import dataclass
@@ -139,6 +140,21 @@ def default_state_dir() -> Path:
 
 def env_addr() -> str | None:
     return os.environ.get("TC_ADDR") or None
+
+
+def send_token(token: str) -> str:
+    """The token a client sends: the first of a comma-separated list ("new,old": a server
+    accepts every one listed while the cluster token rotates, docs/operators.md)."""
+    return token.split(",")[0].strip()
+
+
+def token_accepted(accepted: str, given: str) -> bool:
+    """`given` is one of the comma-separated `accepted` tokens (constant-time comparisons)."""
+    ok = False
+    for token in accepted.split(","):
+        token = token.strip()
+        ok |= bool(token) and hmac.compare_digest(token.encode(), given.encode())
+    return ok
 
 
 def env_token() -> str | None:

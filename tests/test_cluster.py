@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import pool_used, wait_until
+from conftest import Cluster, pool_used, wait_until
 
 import tensorcast as tc
 
@@ -207,6 +207,35 @@ def test_wrong_or_missing_token_is_rejected(cluster):
             rt.worker_stub(worker).call("Status", pb.Empty())
         with pytest.raises(tc.Unauthenticated):
             LocalConnection(worker.local_socket, "wrong-token", 5.0)
+
+
+def test_during_a_token_rotation_servers_accept_both_tokens(tmp_path):
+    """Every server started with "new,old" accepts callers presenting either token: the store
+    and workers over gRPC, the same-host socket, the page socket, and the data plane between
+    workers (which present the first). Anything else is refused."""
+    from tensorcast.sdk.cluster_file import write_token
+
+    state = tmp_path / "state"
+    write_token(state, "tok-new,tok-old")
+    c = Cluster(state, None)  # type: ignore[arg-type]
+    up = json.loads(c.tc("up", "--workers", "2", "--mem", "32MiB", "--json", check=True).stdout)
+    try:
+        for i, token in enumerate(("tok-new", "tok-old")):
+            with tc.connect(up["store_addr"], token) as rt:
+                assert rt.token == token
+                data = torch.full((4096,), float(i))
+                art = rt.put({"w": data}, f"rot-{i}", worker="worker-1")  # local socket
+                assert art.prefetch("worker-2").bytes_moved > 0  # worker to worker (data plane)
+                assert torch.equal(rt.artifact(f"rot-{i}").tensor_dict()["w"], data)
+                pages = rt.pages()
+                pages.put_pages({f"rot/{i}": data}, ttl_s=60)  # the page socket
+                assert torch.equal(pages.get_pages([f"rot/{i}"])[0].tensor(), data)
+        with pytest.raises(tc.Unauthenticated):
+            tc.connect(up["store_addr"], "tok-other")
+        with tc.connect(up["store_addr"], "tok-new,tok-old") as rt:  # a client sends the first
+            assert rt.token == "tok-new"
+    finally:
+        c.tc("down")
 
 
 def test_pool_full_is_clean(fresh_cluster):

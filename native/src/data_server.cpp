@@ -45,19 +45,6 @@ uint64_t random_u64() {
     return value;
 }
 
-// Constant-time in the content of both strings (length differences still
-// show, which leaks nothing useful: the token length is not secret).
-bool tokens_equal(const std::string& expected, const uint8_t* given, size_t given_bytes) {
-    unsigned diff = expected.size() == given_bytes ? 0u : 1u;
-    const size_t n = std::max(expected.size(), given_bytes);
-    for (size_t i = 0; i < n; ++i) {
-        const uint8_t x = i < expected.size() ? uint8_t(expected[i]) : 0;
-        const uint8_t y = i < given_bytes ? given[i] : 0;
-        diff |= unsigned(x ^ y);
-    }
-    return diff == 0;
-}
-
 // Atomically takes one unit from a countdown; returns the value before, or 0.
 uint32_t take_one(std::atomic<uint32_t>& counter) {
     uint32_t value = counter.load();
@@ -336,7 +323,7 @@ void DataServer::Impl::serve(Connection* connection) {
             }
             if (net::recv_all(fd, token_bytes, h.payload_bytes, limits, nullptr) != net::Io::kOk)
                 return;
-            if (!tokens_equal(token, token_bytes, h.payload_bytes)) {
+            if (!net::token_accepted(token, token_bytes, h.payload_bytes)) {
                 send_error(fd, h.request_id, frame::ErrorCode::kBadToken, "bad token");
                 return;
             }

@@ -87,6 +87,26 @@ Fd make_wake_fd() {
     return Fd(fd);
 }
 
+bool token_accepted(const std::string& accepted, const uint8_t* given, size_t given_bytes) {
+    bool any = false;
+    size_t start = 0;
+    while (start <= accepted.size()) {
+        size_t end = accepted.find(',', start);
+        if (end == std::string::npos) end = accepted.size();
+        const size_t length = end - start;
+        unsigned diff = length == given_bytes ? 0u : 1u;  // lengths are not secret
+        const size_t n = std::max(length, given_bytes);
+        for (size_t i = 0; i < n; ++i) {
+            const uint8_t x = i < length ? uint8_t(accepted[start + i]) : 0;
+            const uint8_t y = i < given_bytes ? given[i] : 0;
+            diff |= unsigned(x ^ y);
+        }
+        any |= length > 0 && diff == 0;  // no early exit: every accepted token is compared
+        start = end + 1;
+    }
+    return any;
+}
+
 void signal_wake(int wake_fd) {
     const uint64_t one = 1;
     // Cannot fail short of counter overflow; the fd stays readable either way.

@@ -57,6 +57,10 @@ std::string describe(const std::string& host, uint16_t port);
 
 // Non-blocking eventfd used as the wake signal.
 Fd make_wake_fd();
+// True if `given` equals one of the comma-separated tokens in `accepted` (a server accepts two
+// while the cluster token rotates). Constant time in the tokens' contents.
+bool token_accepted(const std::string& accepted, const uint8_t* given, size_t given_bytes);
+
 void signal_wake(int wake_fd);
 bool is_woken(int wake_fd);
 

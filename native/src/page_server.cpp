@@ -38,12 +38,6 @@ std::vector<std::pair<uint32_t, uint64_t>> named_leases(const std::vector<PageKe
     return {named.begin(), named.end()};
 }
 
-bool same_token(const std::string& a, const std::string& b) {
-    if (a.size() != b.size()) return false;
-    unsigned char diff = 0;  // constant time: no early exit on the first difference
-    for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-    return diff == 0;
-}
 
 struct Connection {
     net::Fd fd;
@@ -241,7 +235,8 @@ void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8
     if (op == kHello) {
         const std::string given = in.str();
         in.end();
-        if (!same_token(given, token))
+        if (!net::token_accepted(token, reinterpret_cast<const uint8_t*>(given.data()),
+                                 given.size()))
             throw StatusError("Unauthenticated", "missing or wrong cluster token");
         c.authenticated = true;
         out.number(arena_bytes);

@@ -182,6 +182,24 @@ void test_rejections() {
     CHECK(fx.server.stats().errors_sent >= 6);
 }
 
+// While the cluster token rotates a server holds "new,old": it accepts either, nothing else.
+void test_rotating_tokens() {
+    tc::DataServer server{"127.0.0.1", 0, pool().data(), kPoolBytes, "tok-new,tok-old"};
+    const uint64_t ticket = server.open_ticket(0, 1 << 20, 60'000);
+    std::vector<uint8_t> dest(1 << 20);
+    for (const char* token : {"tok-new", "tok-old"}) {
+        tc::pull("127.0.0.1", server.port(), token, ticket, 0, dest.size(), dest.data(), 2, 0,
+                 30'000, nullptr);
+        CHECK(equals_pool(dest, 0));
+    }
+    for (const char* token : {"tok-other", "tok-new,tok-old", "tok-ne", ","}) {
+        CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kBadToken, [&] {
+            tc::pull("127.0.0.1", server.port(), token, ticket, 0, dest.size(), dest.data(), 1,
+                     0, 30'000, nullptr);
+        }));
+    }
+}
+
 // A socket that listens but never accepts: connect succeeds (backlog), HELLO
 // is never answered.
 struct SilentListener {
@@ -381,6 +399,7 @@ int main() {
         {"corrupt_chunks_are_retried", test_corrupt_chunks_are_retried},
         {"dying_connection", test_dying_connection},
         {"rejections", test_rejections},
+        {"rotating_tokens", test_rotating_tokens},
         {"timeout_and_cancel", test_timeout_and_cancel},
         {"refused", test_refused},
         {"server_stop_mid_pull", test_server_stop_mid_pull},

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, parse_store_addrs
+from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, parse_store_addrs, send_token
 from tensorcast.errors import Unavailable, error_for_grpc_code
 from tensorcast.rpc.server import ERROR_MARK, TOKEN_METADATA_KEY
 
@@ -67,7 +67,7 @@ class Stub:
     def __init__(self, stub: Any, target: str, token: str, timeout_s: float) -> None:
         self._stub = stub
         self._target = target
-        self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._metadata = ((TOKEN_METADATA_KEY, send_token(token)),)
         self._timeout_s = timeout_s
 
     def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:

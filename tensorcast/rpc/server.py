@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -11,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles
+from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, token_accepted
 from tensorcast.errors import TensorcastError
 from tensorcast.metrics import RPC_LATENCY
 
@@ -34,7 +33,7 @@ def _guard(behavior: Callable, token: str, streaming_response: bool, method: str
         sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
         if isinstance(sent, bytes):
             sent = sent.decode(errors="replace")
-        if hmac.compare_digest(sent.encode(), token.encode()):
+        if token_accepted(token, sent):
             return True
         context.abort(
             grpc.StatusCode.UNAUTHENTICATED,

@@ -93,7 +93,7 @@ class Runtime:
         tls: config.TLSFiles | None = None,
     ) -> None:
         self.store_addr = store_addr
-        self.token = token
+        self.token = config.send_token(token)  # what this caller presents everywhere
         self.timeout_s = timeout_s
         self.tls = tls
         self.host_id = config.host_id()

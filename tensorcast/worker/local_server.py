@@ -6,7 +6,6 @@ belong to it and are released when it closes, so a crashed caller leaks nothing.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
@@ -14,6 +13,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from tensorcast.config import token_accepted
 from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unauthenticated
 from tensorcast.transport.unix import recv_message, send_message, socket_address
 from tensorcast.types import TensorMeta
@@ -61,8 +61,8 @@ class LocalServer:
         session = _Session(self.node, self.gpu)
         try:
             message, _ = recv_message(conn)
-            if message.get("op") != "hello" or not hmac.compare_digest(
-                str(message.get("token", "")).encode(), self.node.token.encode()
+            if message.get("op") != "hello" or not token_accepted(
+                self.node.token, str(message.get("token", ""))
             ):
                 send_message(conn, _error(Unauthenticated("missing or wrong cluster token")))
                 return

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tensorcast.config import send_token
 from tensorcast.errors import (
     DeadlineExceeded,
     IntegrityError,
@@ -167,7 +168,7 @@ class Transfers:
                 try:
                     native.pull(
                         ticket.data_addr,
-                        node.token,
+                        send_token(node.token),
                         ticket.ticket,
                         ticket.offset_bytes,
                         ticket.size_bytes,
