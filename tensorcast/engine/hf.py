@@ -209,7 +209,8 @@ class HFEngine(InstanceAdaptor):
         """Feed the unfed tokens, append the argmax of the last logits (caller holds the lock)."""
         input_ids = torch.tensor([request.tokens[request.cached :]], device=self.device)
         with torch.no_grad():
-            out = self.model(input_ids=input_ids, cache=request.cache, use_cache=True)
+            # `past_key_values`: the name in every transformers 5 (5.2x also calls it `cache`).
+            out = self.model(input_ids=input_ids, past_key_values=request.cache, use_cache=True)
         token = int(out.logits[0, -1].argmax())
         with self._state_lock:
             request.cached = len(request.tokens)

@@ -1,0 +1,150 @@
+"""SGLang HiCache storage backend (tensorcast/integrations/sglang.py) against SGLang's own
+`HiCacheStorage` base class and storage factory (sglang 0.5.23 installed without its GPU
+dependencies) and a real cluster: loaded through `dynamic`, pages shared between instances,
+the zero-copy `batch_get_v1/batch_set_v1` with host-pool indices, damaged pages read as misses.
+
+SGLang's host KV pool module imports torchvision (a CUDA build here), so the pools below are
+stand-ins with the same page layouts and methods as its `MHATokenToKVPoolHost` (page_first:
+`[2, tokens, layers, heads, dim]`; layer_first: `[2, layers, tokens, heads, dim]`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("CI"):  # CI installs sglang (scripts/setup-engines.sh): never skip there
+    import sglang  # noqa: F401
+else:
+    pytest.importorskip("sglang", reason="sglang is not installed: run scripts/setup.sh")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from tensorcast.integrations.sglang import TensorCastHiCacheStorage
+from tensorcast.sharding import shard_of
+
+PAGE = 4  # tokens per page
+LAYERS, HEADS, DIM = 2, 2, 8
+
+
+class HostPool:
+    """The host KV pool's page interface, laid out as SGLang's MHA host pool lays it out."""
+
+    def __init__(self, tokens: int, layout: str = "page_first", seed: int = 0) -> None:
+        self.page_size, self.layout, self.size = PAGE, layout, tokens
+        shape = (
+            (2, tokens, LAYERS, HEADS, DIM)
+            if layout == "page_first"
+            else (2, LAYERS, tokens, HEADS, DIM)
+        )
+        generator = torch.Generator().manual_seed(seed)
+        self.kv_buffer = torch.randn(shape, generator=generator).to(torch.bfloat16)
+
+    def _page(self, index: int) -> torch.Tensor:
+        if self.layout == "page_first":
+            return self.kv_buffer[:, index : index + PAGE]
+        return self.kv_buffer[:, :, index : index + PAGE]
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self._page(index)
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(2 * LAYERS * PAGE * HEADS * DIM, dtype=torch.bfloat16)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self._page(index)[...] = data_page.reshape(self._page(index).shape)
+
+
+def _backend(cluster, model: str = "tiny", rank: int = 0, size: int = 1) -> HiCacheStorage:
+    config = HiCacheStorageConfig(
+        tp_rank=rank,
+        tp_size=size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model,
+        extra_config={
+            "backend_name": "tensorcast",
+            "module_path": "tensorcast.integrations.sglang",
+            "class_name": "TensorCastHiCacheStorage",
+            "interface_v1": 1,
+            "state_dir": str(cluster.state_dir),
+        },
+    )
+    return StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+def test_loaded_by_sglangs_factory_and_shared_between_instances(cluster):
+    writer, reader = _backend(cluster), _backend(cluster)
+    assert isinstance(writer, HiCacheStorage)
+    assert isinstance(writer, TensorCastHiCacheStorage)
+    values = [torch.arange(64, dtype=torch.float32) + i for i in range(3)]
+    assert writer.batch_set(["h0", "h1", "h2"], values)
+    assert writer.set("solo", torch.ones(16, dtype=torch.bfloat16))
+    # Another instance of the same model sees them; prefix semantics stop at the first miss.
+    assert reader.batch_exists(["h0", "h1", "h2"]) == 3
+    assert reader.batch_exists(["h0", "nope", "h2"]) == 1
+    assert reader.exists("solo") and not reader.exists("nope")
+    got = reader.batch_get(["h0", "h2", "nope"])
+    assert torch.equal(got[0], values[0]) and torch.equal(got[1], values[2]) and got[2] is None
+    targets = [torch.empty(64, dtype=torch.float32) for _ in range(2)]
+    filled = reader.batch_get(["h1", "h0"], targets)
+    assert filled[0] is targets[0] and torch.equal(targets[0], values[1])
+    assert torch.equal(targets[1], values[0])
+    one = reader.get("solo", torch.empty(16, dtype=torch.bfloat16))
+    assert one is not None and torch.equal(one, torch.ones(16, dtype=torch.bfloat16))
+    # Another model, or another tensor-parallel rank (its own heads), never sees them.
+    assert _backend(cluster, model="other").batch_exists(["h0"]) == 0
+    assert _backend(cluster, rank=1, size=2).batch_exists(["h0"]) == 0
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_zero_copy_pages_between_host_pools(cluster, layout):
+    source, target = HostPool(32, layout, seed=1), HostPool(32, layout, seed=2)
+    writer, reader = (
+        _backend(cluster, model=f"v1-{layout}"),
+        _backend(cluster, model=f"v1-{layout}"),
+    )
+    writer.register_mem_pool_host(source)
+    reader.register_mem_pool_host(target)
+    keys = ["p0", "p1", "p2"]
+    written = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3, 20, 21, 22, 23])  # pages at 8, 0, 20
+    assert all(writer.batch_set_v1(keys, written))
+    assert reader.batch_exists(keys) == 3
+    read = torch.tensor([4, 5, 6, 7, 12, 13, 14, 15, 28, 29, 30, 31])  # other slots
+    assert reader.batch_get_v1(keys, read) == [True, True, True]
+    for w, r in zip((8, 0, 20), (4, 12, 28)):
+        assert torch.equal(target.get_data_page(r), source.get_data_page(w))
+    assert reader.batch_get_v1(["p0", "missing"], read[:8]) == [True, False]
+
+
+def test_a_damaged_page_reads_as_missing(cluster):
+    source, target = HostPool(16, seed=3), HostPool(16, seed=4)
+    writer, reader = _backend(cluster, model="damage"), _backend(cluster, model="damage")
+    writer.register_mem_pool_host(source)
+    reader.register_mem_pool_host(target)
+    assert all(writer.batch_set_v1(["d0", "d1"], torch.arange(8)))
+    # Overwrite the stored bytes of d1's first part in its home's pool (same host: mapped).
+    with cluster.connect() as rt:
+        pages = rt.pages()
+        key = reader._pool_keys("d1", 2)[0]
+        table = pages.table()
+        shard = shard_of(key, table.num_shards)
+        lease = table.lease(shard)
+        conn = pages._local(lease)
+        (found,) = conn.get([(key, shard, lease.token)])
+        conn.arena()[found[0] : found[0] + 8] = b"garbage!"
+    assert reader.batch_get_v1(["d0", "d1"], torch.tensor([0, 1, 2, 3, 8, 9, 10, 11])) == [
+        True,
+        False,
+    ]
+    assert torch.equal(target.get_data_page(0), source.get_data_page(0))
+    assert not torch.equal(target.get_data_page(8), source.get_data_page(4))
