@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 
 need=()
 [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
+[ -f /usr/include/openssl/ssl.h ] || need+=(libssl-dev)  # TLS on the native data plane
 command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 command -v jq >/dev/null || need+=(jq)          # scripts/autoscale.sh

@@ -123,3 +123,45 @@ def test_tls_files_come_as_three_or_not_at_all(tmp_path, monkeypatch):
         assert proc.returncode == tc.InvalidArgument.exit_code and "plaintext" in proc.stderr
     finally:
         c.tc("down")
+
+
+def test_the_native_data_plane_is_mutual_tls_too(tmp_path):
+    """Worker-to-worker pulls: a TLS data server serves TLS clients holding the CA's
+    certificates, and refuses plaintext clients and clients of another CA, each with a message
+    that says so; a TLS client of a plaintext server is refused as clearly."""
+    import numpy as np
+
+    from tensorcast.transport import native
+
+    ca = issue(tmp_path / "ca")
+    other = issue(tmp_path / "other")
+    pool = np.arange(4 << 20, dtype=np.uint8)
+    tls_server = native.data_server("127.0.0.1", pool, "tok", tls=ca)
+    plain_server = native.data_server("127.0.0.1", pool, "tok")
+    try:
+        ticket = tls_server.open_ticket(0, pool.size, 60_000)
+        addr = f"127.0.0.1:{tls_server.port}"
+        dest = bytearray(pool.size)
+        native.pull(addr, "tok", ticket, 0, pool.size, dest, 0, streams=2, tls=ca)
+        assert bytes(dest) == pool.tobytes()
+        with pytest.raises(tc.Unavailable, match="speaks TLS only"):
+            native.pull(addr, "tok", ticket, 0, 4096, bytearray(4096), 0, tls=None)
+        with pytest.raises(tc.Unavailable, match="certificate verification failed"):
+            native.pull(addr, "tok", ticket, 0, 4096, bytearray(4096), 0, tls=other)
+        plain_ticket = plain_server.open_ticket(0, 4096, 60_000)
+        with pytest.raises(tc.Unavailable, match="TLS with the data server"):
+            native.pull(
+                f"127.0.0.1:{plain_server.port}",
+                "tok",
+                plain_ticket,
+                0,
+                4096,
+                bytearray(4096),
+                0,
+                tls=ca,
+            )
+        with pytest.raises(tc.InvalidArgument, match="data server"):
+            native.data_server("127.0.0.1", pool, "tok", tls=TLSFiles(ca.ca, ca.cert, other.key))
+    finally:
+        tls_server.stop()
+        plain_server.stop()

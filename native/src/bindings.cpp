@@ -75,15 +75,24 @@ void check_fits(const char* name, uint64_t offset, uint64_t length_bytes, size_t
     }
 }
 
+// [ca, cert, key] from Python (empty: plaintext).
+tc::TlsFiles tls_files(const std::vector<std::string>& paths) {
+    if (paths.empty()) return {};
+    if (paths.size() != 3 || paths[0].empty())
+        throw std::invalid_argument("tls: give [ca, cert, key] PEM paths, or nothing");
+    return tc::TlsFiles{paths[0], paths[1], paths[2]};
+}
+
 // Python face of tc::DataServer. Holds the buffer export of `base` (which also
 // keeps the exporting object alive, and stops an mmap from being closed) until
 // stop(); the C++ server only reads the memory while its threads run.
 class PyDataServer {
 public:
-    PyDataServer(const std::string& host, uint16_t port, nb::handle base, const std::string& token)
+    PyDataServer(const std::string& host, uint16_t port, nb::handle base, const std::string& token,
+                 const tc::TlsFiles& tls)
         : view_(std::make_unique<BufferView>(base, "base", false)),
           server_(std::make_unique<tc::DataServer>(host, port, view_->data(),
-                                                   view_->size_bytes(), token)) {}
+                                                   view_->size_bytes(), token, tls)) {}
     ~PyDataServer() { server_->stop(); }  // before view_ goes (members die in reverse)
 
     tc::DataServer& server() { return *server_; }
@@ -428,8 +437,15 @@ NB_MODULE(_native, m) {
     nb::class_<PyDataServer>(m, "DataServer",
                              "Serves ticketed reads of `base` (a buffer, e.g. the pool mmap) to "
                              "pull() clients holding `token`. Thread-safe.")
-        .def(nb::init<const std::string&, uint16_t, nb::handle, const std::string&>(),
-             nb::arg("host"), nb::arg("port"), nb::arg("base"), nb::arg("token"))
+        .def(
+            "__init__",
+            [](PyDataServer* self, const std::string& host, uint16_t port, nb::handle base,
+               const std::string& token, const std::vector<std::string>& tls) {
+                new (self) PyDataServer(host, port, base, token, tls_files(tls));
+            },
+            nb::arg("host"), nb::arg("port"), nb::arg("base"), nb::arg("token"),
+            nb::arg("tls") = std::vector<std::string>{},
+            "`tls`: [ca, cert, key] PEM paths for mutual TLS, or empty for plaintext.")
         .def_prop_ro("port", [](PyDataServer& s) { return s.server().port(); })
         .def(
             "open_ticket",
@@ -457,7 +473,9 @@ NB_MODULE(_native, m) {
         "pull",
         [](const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
            uint64_t source_offset, uint64_t length, nb::handle dest, uint64_t dest_offset,
-           uint32_t streams, uint64_t chunk_bytes, uint32_t timeout_ms, CancelToken* cancel) {
+           uint32_t streams, uint64_t chunk_bytes, uint32_t timeout_ms, CancelToken* cancel,
+           const std::vector<std::string>& tls) {
+            const tc::TlsFiles files = tls_files(tls);
             const BufferView view(dest, "dest", true);
             check_fits("dest", dest_offset, length, view.size_bytes());
             tc::PullStats stats;
@@ -465,7 +483,7 @@ NB_MODULE(_native, m) {
                 nb::gil_scoped_release release;
                 stats = tc::pull(host, port, token, ticket, source_offset, length,
                                  view.data() + dest_offset, streams, chunk_bytes, timeout_ms,
-                                 cancel != nullptr ? &cancel->flag : nullptr);
+                                 cancel != nullptr ? &cancel->flag : nullptr, files);
             }
             return to_dict(stats);
         },
@@ -473,6 +491,7 @@ NB_MODULE(_native, m) {
         nb::arg("source_offset"), nb::arg("length"), nb::arg("dest"), nb::arg("dest_offset"),
         nb::arg("streams") = 0, nb::arg("chunk_bytes") = 0, nb::arg("timeout_ms") = 30000,
         nb::kw_only(), nb::arg("cancel").none() = nb::none(),
+        nb::arg("tls") = std::vector<std::string>{},
         "Pull length bytes at source_offset of a DataServer's pool into dest[dest_offset:] over "
         "`streams` TCP connections; returns stats. Raises TransferError (.reason), "
         "TransferTimeout, TransferCancelled.");

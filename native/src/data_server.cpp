@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "net.h"
+#include "tls.h"
 #include "tensorcast/frame.h"
 #include "tensorcast/transport.h"
 
@@ -61,6 +62,7 @@ struct Ticket {
 
 struct Connection {
     net::Fd fd;
+    tls::Session session;  // after a TLS handshake (TLS servers only)
     std::thread thread;
     std::atomic<bool> finished{false};
 };
@@ -71,6 +73,7 @@ struct DataServer::Impl {
     const uint8_t* base;
     uint64_t size_bytes;
     std::string token;
+    tls::Context tls;  // null: plaintext
     net::Fd listener;
     net::Fd wake;  // written once by stop(); wakes every poll of every thread
     uint16_t port = 0;
@@ -93,11 +96,13 @@ struct DataServer::Impl {
     // Outcome of a ticket check for one READ.
     frame::ErrorCode check_read(uint64_t ticket, uint64_t offset, uint64_t length_bytes,
                                 bool* ok);
-    bool send_error(int fd, uint64_t request_id, frame::ErrorCode code, const std::string& text);
+    // `ssl`: the connection's TLS session, if any.
+    bool send_error(int fd, uint64_t request_id, frame::ErrorCode code, const std::string& text,
+                    ssl_st* ssl = nullptr);
 };
 
 DataServer::DataServer(const std::string& host, uint16_t port, const uint8_t* base,
-                       uint64_t size_bytes, std::string token)
+                       uint64_t size_bytes, std::string token, const TlsFiles& tls)
     : impl_(std::make_unique<Impl>()) {
     if (token.empty() || token.size() > frame::kMaxTokenBytes)
         throw std::invalid_argument("DataServer: token must be 1..1024 bytes");
@@ -107,6 +112,7 @@ DataServer::DataServer(const std::string& host, uint16_t port, const uint8_t* ba
     s.base = base;
     s.size_bytes = size_bytes;
     s.token = std::move(token);
+    if (tls.enabled()) s.tls = tls::make_context(tls, true);
     s.wake = net::make_wake_fd();
 
     std::string error;
@@ -262,7 +268,7 @@ void DataServer::Impl::accept_loop() {
 }
 
 bool DataServer::Impl::send_error(int fd, uint64_t request_id, frame::ErrorCode code,
-                                  const std::string& text) {
+                                  const std::string& text, ssl_st* ssl) {
     const uint32_t size = uint32_t(std::min<size_t>(text.size(), frame::kMaxErrorMessageBytes));
     uint8_t header[frame::kHeaderBytes];
     frame::encode_header(frame::error(request_id, code, size), header);
@@ -270,6 +276,7 @@ bool DataServer::Impl::send_error(int fd, uint64_t request_id, frame::ErrorCode 
     net::IoLimits limits;
     limits.wake_fd = wake.get();
     limits.deadline = Clock::now() + std::chrono::seconds(2);
+    limits.ssl = ssl;
     ++errors_sent;
     return net::send_all(fd, iov, 2, limits, nullptr) == net::Io::kOk;
 }
@@ -301,6 +308,21 @@ void DataServer::Impl::serve(Connection* connection) {
     const auto connected_at = Clock::now();
     uint8_t raw[frame::kHeaderBytes];
     uint8_t token_bytes[frame::kMaxTokenBytes];
+    if (tls) {
+        limits.deadline = connected_at + std::chrono::milliseconds(kHandshakeTimeoutMs);
+        // A plaintext client's first byte is a frame's, not a TLS record's (22): tell it, in
+        // plaintext, why nothing will work, instead of a failed handshake it cannot explain.
+        uint8_t first = 0;
+        if (net::wait_ready(fd, POLLIN, limits, connected_at) != net::Io::kOk) return;
+        if (::recv(fd, &first, 1, MSG_PEEK) == 1 && first != 22) {
+            send_error(fd, 0, frame::ErrorCode::kNotAuthenticated,
+                       "this data server speaks TLS only: give the client the cluster's TLS files");
+            return;
+        }
+        if (!tls::handshake(fd, tls.get(), true, "", limits, &connection->session).empty())
+            return;
+        limits.ssl = connection->session.get();
+    }
 
     for (;;) {
         // Read one header: handshake deadline first, then an idle timeout.
@@ -312,19 +334,19 @@ void DataServer::Impl::serve(Connection* connection) {
         frame::Header h;
         const frame::Status status = frame::decode_header(raw, sizeof raw, &h);
         if (status != frame::Status::kOk) {
-            send_error(fd, 0, frame::ErrorCode::kProtocol, frame::status_name(status));
+            send_error(fd, 0, frame::ErrorCode::kProtocol, frame::status_name(status), limits.ssl);
             return;
         }
         if (!authenticated) {
             if (h.type != frame::Type::kHello) {
                 send_error(fd, h.request_id, frame::ErrorCode::kNotAuthenticated,
-                           "HELLO expected first");
+                           "HELLO expected first", limits.ssl);
                 return;
             }
             if (net::recv_all(fd, token_bytes, h.payload_bytes, limits, nullptr) != net::Io::kOk)
                 return;
             if (!net::token_accepted(token, token_bytes, h.payload_bytes)) {
-                send_error(fd, h.request_id, frame::ErrorCode::kBadToken, "bad token");
+                send_error(fd, h.request_id, frame::ErrorCode::kBadToken, "bad token", limits.ssl);
                 return;
             }
             uint8_t reply[frame::kHeaderBytes];
@@ -339,7 +361,7 @@ void DataServer::Impl::serve(Connection* connection) {
             continue;
         }
         if (h.type != frame::Type::kRead) {
-            send_error(fd, h.request_id, frame::ErrorCode::kProtocol, "READ expected");
+            send_error(fd, h.request_id, frame::ErrorCode::kProtocol, "READ expected", limits.ssl);
             return;
         }
         bool allowed = false;
@@ -348,7 +370,7 @@ void DataServer::Impl::serve(Connection* connection) {
             const char* text = code == frame::ErrorCode::kBadTicket
                                    ? "unknown or expired ticket"
                                    : "range outside the ticket";
-            if (!send_error(fd, h.request_id, code, text)) return;
+            if (!send_error(fd, h.request_id, code, text, limits.ssl)) return;
             continue;
         }
         // Straight from the pool: header and payload leave in one sendmsg.

@@ -12,6 +12,7 @@ const char* transfer_failure_name(TransferFailure failure) {
         case TransferFailure::kProtocol: return "protocol";
         case TransferFailure::kTimeout: return "timeout";
         case TransferFailure::kCancelled: return "cancelled";
+        case TransferFailure::kTls: return "tls";
     }
     return "unknown";
 }

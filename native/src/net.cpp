@@ -1,5 +1,7 @@
 #include "net.h"
 
+#include "tls.h"
+
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -186,7 +188,13 @@ bool spin_until_readable(int fd, int spin_us) {
 
 }  // namespace
 
+Io wait_ready(int fd, short events, const IoLimits& limits, Clock::time_point last_progress) {
+    const Wait wait = wait_for(fd, events, limits.wake_fd, effective_deadline(limits, last_progress));
+    return wait == Wait::kReady ? Io::kOk : from_wait(wait);
+}
+
 Io send_all(int fd, iovec* iov, int iov_count, const IoLimits& limits, int* error) {
+    if (limits.ssl != nullptr) return tls::send_all(limits.ssl, fd, iov, iov_count, limits, error);
     Clock::time_point last_progress = Clock::now();
     while (iov_count > 0) {
         if (iov->iov_len == 0) {
@@ -226,6 +234,9 @@ Io send_all(int fd, iovec* iov, int iov_count, const IoLimits& limits, int* erro
 
 Io recv_step(int fd, uint8_t* dest, uint64_t size_bytes, const IoLimits& limits,
              Clock::time_point* last_progress, uint64_t* received, int* error) {
+    if (limits.ssl != nullptr)
+        return tls::recv_step(limits.ssl, fd, dest, size_bytes, limits, last_progress, received,
+                              error);
     *received = 0;
     for (;;) {
         if (limits.max_piece_bytes > 0) size_bytes = std::min(size_bytes, limits.max_piece_bytes);

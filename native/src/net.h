@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+struct ssl_st;
+
 namespace tc::net {
 
 using Clock = std::chrono::steady_clock;
@@ -89,7 +91,13 @@ struct IoLimits {
     // sleeping in poll(). Waking a sleeping thread costs tens of microseconds; callers that
     // expect bytes soon (a reply, the rest of a stream) trade a little CPU for that latency.
     int spin_us = 0;
+    // Non-null: the connection is TLS and its bytes go through this session (see tls.h).
+    ssl_st* ssl = nullptr;
 };
+
+// Waits until fd has `events` within the limits (deadline, stall since last_progress, wake_fd):
+// kOk when it has, else kTimeout / kWoken.
+Io wait_ready(int fd, short events, const IoLimits& limits, Clock::time_point last_progress);
 
 // Sends every byte of iov (modified in place). *error gets errno on kError.
 Io send_all(int fd, iovec* iov, int iov_count, const IoLimits& limits, int* error);

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "net.h"
+#include "tls.h"
 #include "tensorcast/frame.h"
 #include "tensorcast/transport.h"
 
@@ -40,37 +41,44 @@ constexpr int kPoolIdleMs = 30'000;
 constexpr size_t kPoolMaxPerServer = 8;
 constexpr size_t kPoolMaxServers = 64;
 
+// An authenticated connection to a data server (TLS ones carry their session).
+struct Link {
+    net::Fd fd;
+    tls::Session session;
+};
+
 class ConnectionPool {
 public:
-    std::optional<net::Fd> take(const std::string& key) {
+    std::optional<Link> take(const std::string& key) {
         std::lock_guard<std::mutex> lock(mutex_);
         const auto it = idle_.find(key);
         if (it == idle_.end()) return std::nullopt;
         auto& list = it->second;
         const auto oldest = Clock::now() - milliseconds(kPoolIdleMs);
-        std::optional<net::Fd> found;
+        std::optional<Link> found;
         while (!list.empty() && !found) {
             Idle idle = std::move(list.back());
             list.pop_back();
-            if (idle.since > oldest && still_open(idle.fd.get())) found = std::move(idle.fd);
+            if (idle.since > oldest && still_open(idle.link.fd.get()))
+                found = std::move(idle.link);
         }
         if (list.empty()) idle_.erase(it);
         return found;
     }
 
-    void give(const std::string& key, net::Fd fd) {
+    void give(const std::string& key, Link link) {
         std::lock_guard<std::mutex> lock(mutex_);
         auto& list = idle_[key];
         if (list.size() >= kPoolMaxPerServer || idle_.size() > kPoolMaxServers) {
             if (list.empty()) idle_.erase(key);
-            return;  // fd closes here
+            return;  // the connection closes here
         }
-        list.push_back(Idle{std::move(fd), Clock::now()});
+        list.push_back(Idle{std::move(link), Clock::now()});
     }
 
 private:
     struct Idle {
-        net::Fd fd;
+        Link link;
         Clock::time_point since;
     };
 
@@ -122,16 +130,19 @@ constexpr int64_t kPullOver = -2;
 
 class Pull {
 public:
-    Pull(std::vector<net::Address> addresses, std::string where, const std::string& token,
-         uint64_t ticket, uint64_t source_offset, uint8_t* dest, Clock::time_point deadline)
+    Pull(std::vector<net::Address> addresses, std::string host, std::string where,
+         const std::string& token, ssl_ctx_st* tls, uint64_t ticket, uint64_t source_offset,
+         uint8_t* dest, Clock::time_point deadline, const std::string& tls_identity)
         : addresses_(std::move(addresses)),
+          host_(std::move(host)),
           where_(std::move(where)),
           token_(token),
+          tls_(tls),
           ticket_(ticket),
           source_offset_(source_offset),
           dest_(dest),
           deadline_(deadline),
-          pool_key_(where_ + '\n' + token),
+          pool_key_(where_ + '\n' + token + '\n' + tls_identity),
           wake_(net::make_wake_fd()) {}
 
     void add_chunk(uint64_t offset, uint64_t length_bytes) {
@@ -150,14 +161,15 @@ private:
     void worker_loop();
     // Runs one connection until it dies (returns the loss), or the pull ends.
     std::optional<ConnectionLost> run_connection();
-    net::Fd connect_and_hello(uint64_t connection_id);
-    void receive_frame(int fd, std::vector<InFlight>& in_flight, uint64_t connection_id,
-                       XXH3_state_t* hash);
-    net::IoLimits limits() const {
+    Link connect_and_hello(uint64_t connection_id);
+    void receive_frame(const Link& link, std::vector<InFlight>& in_flight,
+                       uint64_t connection_id, XXH3_state_t* hash);
+    net::IoLimits limits(const Link& link) const {
         net::IoLimits l;
         l.wake_fd = wake_.get();
         l.deadline = deadline_;
         l.spin_us = net::kRecvSpinUs;
+        l.ssl = link.session.get();
         return l;
     }
     [[noreturn]] void throw_io(net::Io io, int error, const char* what);
@@ -175,8 +187,10 @@ private:
     void fail_locked(TransferFailure kind, const std::string& message);
 
     const std::vector<net::Address> addresses_;
+    const std::string host_;  // as the caller named it: what a TLS server's certificate names
     const std::string where_;
     const std::string& token_;
+    ssl_ctx_st* const tls_;  // null: plaintext
     const uint64_t ticket_;
     const uint64_t source_offset_;
     uint8_t* const dest_;
@@ -293,8 +307,9 @@ void Pull::throw_io(net::Io io, int error, const char* what) {
     }
 }
 
-net::Fd Pull::connect_and_hello(uint64_t connection_id) {
-    net::Fd fd;
+Link Pull::connect_and_hello(uint64_t connection_id) {
+    Link link;
+    net::Fd& fd = link.fd;
     int last_error = 0;
     for (const auto& address : addresses_) {
         net::Fd candidate(::socket(address.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
@@ -327,6 +342,13 @@ net::Fd Pull::connect_and_hello(uint64_t connection_id) {
     if (!fd.valid())
         throw ConnectionLost{TransferFailure::kRefused,
                              "connect: " + std::string(std::strerror(last_error))};
+    if (tls_ != nullptr) {
+        const std::string failed =
+            tls::handshake(fd.get(), tls_, false, host_, limits(link), &link.session);
+        if (!failed.empty())
+            throw PullFailed{TransferFailure::kTls,
+                             failed + " (is " + where_ + " serving without TLS, or with another CA?)"};
+    }
 
     uint8_t header[frame::kHeaderBytes];
     frame::Header hello = frame::hello(uint32_t(token_.size()));
@@ -334,37 +356,40 @@ net::Fd Pull::connect_and_hello(uint64_t connection_id) {
     frame::encode_header(hello, header);
     iovec iov[2] = {{header, sizeof header}, {const_cast<char*>(token_.data()), token_.size()}};
     int error = 0;
-    net::Io io = net::send_all(fd.get(), iov, 2, limits(), &error);
+    net::Io io = net::send_all(fd.get(), iov, 2, limits(link), &error);
     if (io != net::Io::kOk) throw_io(io, error, "HELLO");
 
-    io = net::recv_all(fd.get(), header, sizeof header, limits(), &error);
+    io = net::recv_all(fd.get(), header, sizeof header, limits(link), &error);
     if (io != net::Io::kOk) throw_io(io, error, "HELLO reply");
     frame::Header reply;
     const frame::Status status = frame::decode_header(header, sizeof header, &reply);
     if (status != frame::Status::kOk)
         throw ConnectionLost{TransferFailure::kProtocol,
                              std::string("HELLO reply: ") + frame::status_name(status)};
-    if (reply.type == frame::Type::kHelloOk) return fd;
+    if (reply.type == frame::Type::kHelloOk) return link;
     if (reply.type != frame::Type::kError)
         throw ConnectionLost{TransferFailure::kProtocol, "HELLO reply: unexpected frame type"};
     char text[frame::kMaxErrorMessageBytes];
-    io = net::recv_all(fd.get(), reinterpret_cast<uint8_t*>(text), reply.payload_bytes, limits(),
-                       &error);
+    io = net::recv_all(fd.get(), reinterpret_cast<uint8_t*>(text), reply.payload_bytes,
+                       limits(link), &error);
     const std::string message = "server says: " +
                                 (io == net::Io::kOk ? std::string(text, reply.payload_bytes)
                                                     : std::string("(no message)"));
     switch (frame::ErrorCode(reply.a)) {
         case frame::ErrorCode::kBadToken: throw PullFailed{TransferFailure::kBadToken, message};
+        // Our HELLO is always first: the only refusal of it is a TLS-only server's.
+        case frame::ErrorCode::kNotAuthenticated: throw PullFailed{TransferFailure::kTls, message};
         case frame::ErrorCode::kBusy: throw ConnectionLost{TransferFailure::kRefused, message};
         default: throw ConnectionLost{TransferFailure::kProtocol, message};
     }
 }
 
-void Pull::receive_frame(int fd, std::vector<InFlight>& in_flight, uint64_t connection_id,
-                         XXH3_state_t* hash) {
+void Pull::receive_frame(const Link& link, std::vector<InFlight>& in_flight,
+                         uint64_t connection_id, XXH3_state_t* hash) {
+    const int fd = link.fd.get();
     uint8_t raw[frame::kHeaderBytes];
     int error = 0;
-    net::IoLimits l = limits();
+    net::IoLimits l = limits(link);
     l.stall_ms = kReceiveStallMs;
     net::Io io = net::recv_all(fd, raw, sizeof raw, l, &error);
     if (io != net::Io::kOk) throw_io(io, error, "receive");
@@ -378,7 +403,8 @@ void Pull::receive_frame(int fd, std::vector<InFlight>& in_flight, uint64_t conn
 
     if (h.type == frame::Type::kError) {
         char text[frame::kMaxErrorMessageBytes];
-        io = net::recv_all(fd, reinterpret_cast<uint8_t*>(text), h.payload_bytes, limits(), &error);
+        io = net::recv_all(fd, reinterpret_cast<uint8_t*>(text), h.payload_bytes, limits(link),
+                           &error);
         if (io != net::Io::kOk) throw_io(io, error, "receive");
         const std::string message = "server says: " + std::string(text, h.payload_bytes);
         const auto code = frame::ErrorCode(h.a);
@@ -432,8 +458,8 @@ std::optional<ConnectionLost> Pull::run_connection() {
         }
     } connected;
     try {
-        std::optional<net::Fd> reused = connection_pool().take(pool_key_);
-        net::Fd fd = reused ? std::move(*reused) : connect_and_hello(connection_id);
+        std::optional<Link> reused = connection_pool().take(pool_key_);
+        Link link = reused ? std::move(*reused) : connect_and_hello(connection_id);
         {
             std::lock_guard<std::mutex> lock(mutex_);
             ++connected_;
@@ -450,7 +476,7 @@ std::optional<ConnectionLost> Pull::run_connection() {
                 if (taken == kPullOver) {
                     // Nothing left in flight on a pull that succeeded: the connection is clean.
                     if (in_flight.empty() && succeeded())
-                        connection_pool().give(pool_key_, std::move(fd));
+                        connection_pool().give(pool_key_, std::move(link));
                     return std::nullopt;
                 }
                 if (taken == kNoChunk) break;
@@ -463,10 +489,10 @@ std::optional<ConnectionLost> Pull::run_connection() {
             if (batch_count > 0) {
                 iovec iov{batch, size_t(batch_count) * frame::kHeaderBytes};
                 int error = 0;
-                const net::Io io = net::send_all(fd.get(), &iov, 1, limits(), &error);
+                const net::Io io = net::send_all(link.fd.get(), &iov, 1, limits(link), &error);
                 if (io != net::Io::kOk) throw_io(io, error, "send READ");
             }
-            if (!in_flight.empty()) receive_frame(fd.get(), in_flight, connection_id, &hash);
+            if (!in_flight.empty()) receive_frame(link, in_flight, connection_id, &hash);
         }
     } catch (const ConnectionLost& loss) {
         for (const InFlight& f : in_flight) requeue(f.chunk, connection_id, false, loss);
@@ -563,7 +589,8 @@ PullStats Pull::finish(Clock::time_point started) {
 
 PullStats pull(const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
                uint64_t source_offset, uint64_t length_bytes, uint8_t* dest, uint32_t streams,
-               uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel) {
+               uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel,
+               const TlsFiles& tls) {
     if (streams == 0) streams = kDefaultPullStreams;
     if (chunk_bytes == 0) chunk_bytes = kDefaultPullChunkBytes;
     if (streams > kMaxPullStreams)
@@ -587,8 +614,9 @@ PullStats pull(const std::string& host, uint16_t port, const std::string& token,
     auto addresses = net::resolve(host, port, false, &error);
     if (addresses.empty()) throw TransferError(TransferFailure::kRefused, error);
 
-    Pull p(std::move(addresses), net::describe(host, port), token, ticket, source_offset, dest,
-           deadline);
+    ssl_ctx_st* tls_ctx = tls.enabled() ? tls::client_context(tls) : nullptr;
+    Pull p(std::move(addresses), host, net::describe(host, port), token, tls_ctx, ticket,
+           source_offset, dest, deadline, tls.enabled() ? tls.ca + '\n' + tls.cert : "");
     for (uint64_t offset = 0; offset < length_bytes; offset += chunk_bytes)
         p.add_chunk(source_offset + offset, std::min(chunk_bytes, length_bytes - offset));
     const uint64_t chunk_count = (length_bytes + chunk_bytes - 1) / chunk_bytes;

@@ -138,6 +138,7 @@ class Artifact:
                 buffer,
                 0,
                 timeout_s=timeout_s,
+                tls=self.runtime.tls,
             )
         finally:
             stub.call("CloseTransfer", pb.CloseTransferRequest(ticket=ticket.ticket))

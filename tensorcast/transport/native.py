@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from tensorcast.config import TLSFiles
 from tensorcast.errors import InvalidArgument, TensorcastError
 
 _native: Any = importlib.import_module("tensorcast._native")
@@ -95,9 +96,19 @@ def copy_hash_many(dests: Sequence[Any], sources: Sequence[Any], threads: int = 
     return [bytes(h).hex() for h in _native.copy_hash_many(list(dests), list(sources), threads)]
 
 
-def data_server(host: str, base: Any, token: str, port: int = 0) -> Any:
-    """The worker's native data server over `base` (its pool mapping); serves ticketed ranges."""
-    return _native.DataServer(host, port, base, token)
+def _tls_paths(tls: TLSFiles | None) -> list[str]:
+    return [tls.ca, tls.cert, tls.key] if tls else []
+
+
+def data_server(
+    host: str, base: Any, token: str, port: int = 0, tls: TLSFiles | None = None
+) -> Any:
+    """The worker's native data server over `base` (its pool mapping); serves ticketed ranges.
+    With `tls`, every connection is mutual TLS."""
+    try:
+        return _native.DataServer(host, port, base, token, tls=_tls_paths(tls))
+    except ValueError as e:  # unusable TLS files
+        raise InvalidArgument(f"data server: {e}") from None
 
 
 def pull(
@@ -111,6 +122,7 @@ def pull(
     *,
     streams: int = 0,
     timeout_s: float = 30.0,
+    tls: TLSFiles | None = None,
 ) -> dict:
     """Pull [source_offset, +length) of a peer's pool into `dest` over parallel TCP streams.
 
@@ -133,9 +145,15 @@ def pull(
                 dest_offset,
                 streams=streams,
                 timeout_ms=max(1, int(timeout_s * 1000)),
+                tls=_tls_paths(tls),
             )
         )
     except _native.TransferTimeout as e:
         raise DeadlineExceeded(f"transfer from {data_addr} timed out: {e}") from None
     except _native.TransferError as e:
+        if e.reason == "tls":
+            raise Unavailable(
+                f"TLS with the data server {data_addr} failed: {e}. Both ends need "
+                "certificates from one CA (TC_TLS_* or STATE_DIR/tls), or both none"
+            ) from None
         raise Unavailable(f"transfer from {data_addr} failed: {e}") from None

@@ -152,7 +152,7 @@ def serve(
     # Attach streams hold a thread each for their lifetime; plans nest calls between workers.
     server = make_server(token, max_workers=64)
     host = listen.rpartition(":")[0]
-    data_server = native.data_server(host, pool.mm, token)
+    data_server = native.data_server(host, pool.mm, token, tls=tls)
     faults = fault_injection()
     if faults.corrupt_chunks:
         data_server.inject_corrupt_chunks(faults.corrupt_chunks)

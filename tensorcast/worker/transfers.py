@@ -176,6 +176,7 @@ class Transfers:
                         res.offset,
                         streams=streams,
                         timeout_s=deadline - time.monotonic(),
+                        tls=node.tls,
                     )
                 except BaseException:
                     node.pool.abort(res.reservation_id)

@@ -40,6 +40,7 @@ enum class TransferFailure {
     kProtocol,                  // peer sent a malformed or unexpected frame
     kTimeout,
     kCancelled,
+    kTls,                       // TLS handshake failed (certificate, CA, or one side plaintext)
 };
 
 const char* transfer_failure_name(TransferFailure failure);

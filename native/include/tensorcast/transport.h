@@ -19,6 +19,13 @@ constexpr uint32_t kMaxChunkRetries = 3;
 constexpr uint32_t kMaxReconnects = 2;     // per pull, once every connection has died
 constexpr uint32_t kMaxServerConnections = 256;
 
+// PEM files for mutual TLS on the data plane: the CA that signs every member, and this
+// process's certificate and key. An empty `ca` means plaintext.
+struct TlsFiles {
+    std::string ca, cert, key;
+    bool enabled() const { return !ca.empty(); }
+};
+
 struct DataServerStats {
     uint64_t bytes_sent = 0;         // DATA payload bytes fully handed to the kernel
     uint64_t chunks_sent = 0;        // READs answered in full
@@ -36,9 +43,10 @@ class DataServer {
 public:
     // host: numeric address or name to bind ("0.0.0.0", "::", "127.0.0.1");
     // port 0 picks an ephemeral port. Throws IoError if it cannot listen and
-    // std::invalid_argument for an empty or oversize (> 1 KiB) token.
+    // std::invalid_argument for an empty or oversize (> 1 KiB) token or unusable TLS files.
+    // With `tls`, every connection must complete a mutual TLS handshake first.
     DataServer(const std::string& host, uint16_t port, const uint8_t* base, uint64_t size_bytes,
-               std::string token);
+               std::string token, const TlsFiles& tls = {});
     ~DataServer();  // stop()
     DataServer(const DataServer&) = delete;
     DataServer& operator=(const DataServer&) = delete;
@@ -90,9 +98,12 @@ struct PullStats {
 // not allowed: std::invalid_argument), TransferCancelled once *cancel becomes
 // true (polled every <= 50 ms; cancel may be null), TransferError otherwise.
 // Returns or throws only after every thread it started has been joined, so no
-// byte of dest is written after it returns. On failure dest holds garbage.
+// byte of dest is written after it returns. On failure dest holds garbage. With `tls`, every
+// connection is mutual TLS and the server's certificate must name `host`; a failed handshake
+// fails the pull (TransferFailure::kTls).
 PullStats pull(const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
                uint64_t source_offset, uint64_t length_bytes, uint8_t* dest, uint32_t streams,
-               uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel);
+               uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel,
+               const TlsFiles& tls = {});
 
 }  // namespace tc
