@@ -47,6 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# This file is named vllm.py: its own directory must not shadow the vllm package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
 CACHE = Path(os.environ.get("TC_BENCH_CACHE", "/tmp/tc-bench-vllm"))
 LOAD_VARIANTS = ("default_warm", "tc_warm", "default_cold", "tc_cold")
 TTFT_VARIANTS = ("recompute", "tensorcast", "disk")
