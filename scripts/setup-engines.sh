@@ -22,8 +22,8 @@ fi
 pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 if [ "$(version sglang)" != "$SGLANG_VERSION" ]; then
   pip install -q --disable-pip-version-check --no-deps "sglang==$SGLANG_VERSION"
-  pip install -q --disable-pip-version-check ipython
 fi
+pip install -q --disable-pip-version-check ipython orjson  # what `import sglang` needs beyond vllm's
 python - <<'PY'
 import torch, transformers, vllm  # noqa: F401
 import sglang.srt.mem_cache.hicache_storage  # noqa: F401
