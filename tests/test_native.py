@@ -107,6 +107,24 @@ def test_pulls_reuse_idle_connections_to_the_same_server():
         server.stop()
 
 
+def test_tickets_no_read_uses_show_as_idle():
+    """A ticket whose puller died stops being read: the server lists it as idle (its owner then
+    frees what it holds); one just read is not idle."""
+    from conftest import wait_until
+
+    source = bytearray(os.urandom(1 << 20))
+    server = native.data_server("127.0.0.1", source, "secret")
+    try:
+        abandoned = server.open_ticket(0, len(source), 600_000)
+        used = server.open_ticket(0, len(source), 600_000)
+        wait_until(lambda: abandoned in server.idle_tickets(200), 30)
+        native.pull(f"127.0.0.1:{server.port}", "secret", used, 0, 4096, bytearray(4096), 0)
+        idle = server.idle_tickets(200)
+        assert abandoned in idle and used not in server.idle_tickets(10_000)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("count,size", [(1, 1000), (3, 0), (64, 256 * 1024)])
 def test_copy_many_copies_each_source_into_its_dest(count, size):
     sources = [os.urandom(size) for _ in range(count)]

@@ -458,6 +458,10 @@ NB_MODULE(_native, m) {
             "close_ticket", [](PyDataServer& s, uint64_t id) { s.server().close_ticket(id); },
             nb::arg("id"))
         .def(
+            "idle_tickets",
+            [](PyDataServer& s, uint32_t idle_ms) { return s.server().idle_tickets(idle_ms); },
+            nb::arg("idle_ms"), "Ids of tickets not read for idle_ms (opened or last READ).")
+        .def(
             "inject_corrupt_chunks",
             [](PyDataServer& s, uint32_t n) { s.server().inject_corrupt_chunks(n); }, nb::arg("n"),
             "Test hook: the next n DATA frames carry a wrong checksum.")

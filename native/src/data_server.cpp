@@ -58,6 +58,7 @@ struct Ticket {
     uint64_t offset;
     uint64_t length_bytes;
     Clock::time_point expires;
+    Clock::time_point last_used;  // opened, or last allowed READ
 };
 
 struct Connection {
@@ -176,8 +177,17 @@ uint64_t DataServer::open_ticket(uint64_t offset, uint64_t length_bytes, uint32_
     }
     uint64_t id = 0;
     while (id == 0 || s.tickets.count(id) != 0) id = random_u64();
-    s.tickets[id] = Ticket{offset, length_bytes, now + std::chrono::milliseconds(ttl_ms)};
+    s.tickets[id] = Ticket{offset, length_bytes, now + std::chrono::milliseconds(ttl_ms), now};
     return id;
+}
+
+std::vector<uint64_t> DataServer::idle_tickets(uint32_t idle_ms) const {
+    const auto before = Clock::now() - std::chrono::milliseconds(idle_ms);
+    std::lock_guard<std::mutex> lock(impl_->tickets_mutex);
+    std::vector<uint64_t> idle;
+    for (const auto& [id, ticket] : impl_->tickets)
+        if (ticket.last_used < before) idle.push_back(id);
+    return idle;
 }
 
 void DataServer::close_ticket(uint64_t id) {
@@ -291,10 +301,11 @@ frame::ErrorCode DataServer::Impl::check_read(uint64_t ticket_id, uint64_t offse
         tickets.erase(it);
         return frame::ErrorCode::kBadTicket;
     }
-    const Ticket& t = it->second;
+    Ticket& t = it->second;
     // The frame parser guarantees offset + length does not overflow.
     if (offset < t.offset || offset + length_bytes > t.offset + t.length_bytes)
         return frame::ErrorCode::kOutOfRange;
+    t.last_used = Clock::now();
     *ok = true;
     return frame::ErrorCode::kProtocol;
 }

@@ -30,6 +30,10 @@ from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.pool import Content
 
 DEFAULT_TICKET_TTL_MS = 120_000
+# A ticket no READ used for this long is closed early: its puller died (a live pull reads every
+# few milliseconds, and gives up a connection after 10 s without data), and its hold would keep
+# the content in memory until the ticket's deadline.
+TICKET_IDLE_S = 20.0
 MAX_TICKETS = 1024
 
 
@@ -83,9 +87,11 @@ class Transfers:
             self.node.pool.release(entry.content)
 
     def expire(self) -> None:
+        """Close tickets past their deadline, and those left idle by a puller that died."""
         now = time.monotonic()
+        idle = set(self.data_server.idle_tickets(int(TICKET_IDLE_S * 1000)))
         with self._lock:
-            expired = [t for t, e in self._tickets.items() if e.expires_at <= now]
+            expired = [t for t, e in self._tickets.items() if e.expires_at <= now or t in idle]
         for ticket in expired:
             self.close(ticket)
 

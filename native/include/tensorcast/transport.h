@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tensorcast/errors.h"
 
@@ -58,6 +59,9 @@ public:
     // ttl_ms is 0. Expiry is checked when the ticket is used.
     uint64_t open_ticket(uint64_t offset, uint64_t length_bytes, uint32_t ttl_ms);
     void close_ticket(uint64_t id);  // unknown ids are ignored
+    // Tickets not read for idle_ms (since opened or since their last READ): a puller that
+    // died leaves its ticket idle, and the owner frees what the ticket holds before it expires.
+    std::vector<uint64_t> idle_tickets(uint32_t idle_ms) const;
 
     // Test hooks; a "chunk" is the full answer to one READ. The next n chunks
     // (any connection) each carry one DATA frame whose checksum has a bit
