@@ -97,7 +97,6 @@ def _installed_copy(root: Path) -> Path:
     """A venv where tensorcast is an installed copy (as `pip install .` leaves it), not the
     editable source tree; its other packages come from this venv. Returns its `tc` script."""
     import shutil
-    import sysconfig
 
     import tensorcast._native
 
@@ -108,8 +107,12 @@ def _installed_copy(root: Path) -> Path:
     shutil.copy(tensorcast._native.__file__, site / "tensorcast")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
     pth = next((root / "venv" / "lib").glob("python3*/site-packages"))
-    # A path listed in a .pth is not a site dir: this venv's editable-install hook stays out.
-    (pth / "paths.pth").write_text(f"{site}\n{sysconfig.get_paths()['purelib']}\n")
+    # Every directory this interpreter imports from, after the copy (paths listed in a .pth
+    # are not site dirs: their own .pth files, this venv's editable-install hook among them,
+    # stay out); not the source tree, which is what an installed package must not see.
+    source = str(Path(tensorcast.__file__).parent.parent)
+    paths = [p for p in sys.path if p and p != source and Path(p).is_dir()]
+    (pth / "paths.pth").write_text("\n".join([str(site), *paths]) + "\n")
     script = root / "venv" / "bin" / "tc"
     script.write_text(
         f"#!{root / 'venv' / 'bin' / 'python'}\n"
