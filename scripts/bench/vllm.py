@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,7 @@ CHILD_TIMEOUT_S = 900
 ENV = {
     **os.environ,
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
@@ -207,7 +208,7 @@ def main() -> None:
     disk_kv = Path(tempfile.mkdtemp(prefix="bench-vllm-disk-", dir=CACHE))
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in LOAD_VARIANTS + TTFT_VARIANTS}
     try:
-        local_cluster.up(state, 1, "6GiB")
+        local_cluster.up(state, 1, "2560MiB")  # both models and the pages, with room
         tc = [sys.executable, "-m", "tensorcast.cli.main"]
         for name, directory in (("load@v1", load_dir), ("ttft@v1", ttft_dir)):
             put = [*tc, "put", name, str(directory), "--state-dir", str(state)]
@@ -255,6 +256,8 @@ def main() -> None:
                 print(f"run {run} {variant}: {results[variant][-1]}", file=sys.stderr)
     finally:
         local_cluster.down(state)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(disk_kv, ignore_errors=True)
 
     summary: dict[str, Any] = {
         "bench": "vllm",
