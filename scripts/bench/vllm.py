@@ -173,7 +173,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr[-3000:]}")
     out = json.loads(lines[-1][6:])
-    found = re.findall(r"Loading weights took ([0-9.]+) seconds", proc.stderr)
+    found = re.findall(r"Loading weights took ([0-9.]+) seconds", proc.stdout + proc.stderr)
     if found:
         out["weights_s"] = float(found[-1])
     out["child_wall_s"] = time.perf_counter() - started

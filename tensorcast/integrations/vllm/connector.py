@@ -203,6 +203,8 @@ class TensorCastConnector(KVConnectorBase_V1):
         self._finished: set[str] = set()
         self._futures: set[Future] = set()
         self._lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER and self.load_enabled:
+            _warm(self._pages("lookup"), write=False)  # an unreachable cluster fails LLM() here
         describe_to = extra.get("describe_to")
         if describe_to and role == KVConnectorRole.SCHEDULER:
             _write_json(str(describe_to), self.describe())
@@ -372,6 +374,11 @@ class TensorCastConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+        # Connect now (and map the homes' pools), not on the first request's clock.
+        if self.load_enabled:
+            _warm(self._pages("load"), write=True)
+        if self.save_enabled:
+            _warm(self._pages("save"), write=True)
 
     def _block(self, layer: int, block_id: int) -> torch.Tensor:
         tensor, dim = self._layers[layer]
@@ -543,6 +550,27 @@ class _Tracked:
             parent = self.chains[-1] if self.chains else keys.ROOT_CHAIN
             self.chains += keys.chain_hashes(tokens, block_size, len(self.chains), parent)
         return self.chains
+
+
+def _warm(pages: Any, write: bool) -> None:
+    """Open this page client's connections to every shard home: a lookup of one key per shard,
+    or (`write`) a one-byte page per shard with a one-minute lease, which also maps each
+    same-host home's pool (populated: seconds for a large pool, better at startup than in the
+    first request's time to first token)."""
+    from tensorcast.sharding import shard_of
+
+    table = pages.table()
+    keys_by_shard: dict[int, str] = {}
+    for i in range(64 * table.num_shards):
+        if len(keys_by_shard) == table.num_shards:
+            break
+        key = f"{keys.KEY_PREFIX}/warmup/{i}"
+        keys_by_shard.setdefault(shard_of(key, table.num_shards), key)
+    names = list(keys_by_shard.values())
+    if write:
+        pages.put_pages(dict.fromkeys(names, b"\0"), 60.0)
+    else:
+        pages.exists_pages(names)
 
 
 def _write_json(path: str, value: Any) -> None:
