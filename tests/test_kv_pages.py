@@ -1,5 +1,6 @@
 """KV pages in sharded homes on real worker processes: batch put/get/exists through shared
-memory and through gRPC, TTL and LRU eviction, fencing, and a shard home killed with -9."""
+memory and through the native data port (callers on other hosts), TTL and LRU eviction, fencing,
+and a shard home killed with -9."""
 
 from __future__ import annotations
 
@@ -49,18 +50,18 @@ def _exited(pid: int) -> bool:
 
 
 def _remote(rt: tc.Runtime) -> tc.Runtime:
-    """Pretend to be on another host: every page operation goes through gRPC."""
+    """Pretend to be on another host: every page operation goes to the homes' data ports."""
     rt.host_id = "another-host"
     return rt
 
 
-@pytest.mark.parametrize("path", ["shared-memory", "grpc"])
+@pytest.mark.parametrize("path", ["shared-memory", "remote"])
 def test_batch_put_get_exists_round_trip(cluster, path):
     with cluster.connect() as rt:
-        if path == "grpc":
+        if path == "remote":
             _remote(rt)
         pages = rt.pages()
-        data = _pages(40, tag=1.0 if path == "grpc" else 2.0)
+        data = _pages(40, tag=1.0 if path == "remote" else 2.0)
         data["kv/test/bytes-" + path] = bytearray(b"\x01\x02\x03" * 1000)
         refs = pages.put_pages(data, ttl_s=60)
         assert [r.key for r in refs] == list(data)
@@ -190,7 +191,7 @@ def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_h
         got = pages.get_pages(victim_keys)
         assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, victim_keys))
         # A writer still holding the old token is fenced off by the new home.
-        shard = next(iter(lost))
+        shard = shard_of(victim_keys[0], new.num_shards)  # a lost shard that had pages
         stub = rt.worker_stub(survivor)
         blob = b"\x00" * 4
         key = next(k for k in victim_keys if shard_of(k, new.num_shards) == shard)
@@ -215,7 +216,53 @@ def test_killed_home_rehomes_with_higher_token_and_stale_writes_are_fenced(two_h
         assert torch.equal(pages.get_pages([key])[0].tensor(), data[key])
 
 
-def test_grpc_batches_larger_than_one_message_are_split(cluster):
+def _worker_metrics(cluster) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for p in cluster.record.processes:
+        if p.role != "worker":
+            continue
+        text = urllib.request.urlopen(f"http://{p.metrics_addr}/metrics", timeout=5).read()
+        for line in text.decode().splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def test_remote_pages_travel_on_the_data_port_into_the_callers_buffers(fresh_cluster):
+    """A caller on another host: pages go to the worker's data port in binary page frames (no
+    gRPC page call), straight from and into the caller's buffers, checked by hash."""
+    with fresh_cluster.connect() as rt:
+        pages = _remote(rt).pages()
+        data = {f"kv/port/{i}": torch.full((64 * 1024,), float(i)) for i in range(24)}  # 6 MiB
+        before = _worker_metrics(fresh_cluster)
+        refs = pages.put_pages(data, ttl_s=60)
+        assert [r.hash for r in refs] == native.hash_buffers([t.numpy() for t in data.values()])
+        into = [torch.zeros(64 * 1024 + 7) for _ in data]  # larger than the pages: views
+        got = pages.get_pages([*data, "kv/port/absent"], into=[*into, torch.zeros(1)])
+        assert got[-1] is None
+        for page, buffer, (key, expected) in zip(got, into, data.items()):
+            assert page is not None and page.key == key
+            assert torch.equal(page.tensor(), expected)
+            assert page.tensor().data_ptr() == buffer.data_ptr()  # received in place
+        assert pages.exists_pages([*data, "kv/port/absent"]) == [True] * len(data) + [False]
+        with pytest.raises(tc.InvalidArgument, match="does not fit"):
+            pages.get_pages(["kv/port/0"], into=[torch.zeros(10)])
+        assert torch.equal(pages.get_pages(["kv/port/1"])[0].tensor(), data["kv/port/1"])
+        after = _worker_metrics(fresh_cluster)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for method in ("PutPages", "GetPages", "ExistsPages"):
+        assert delta(f'tc_rpc_duration_seconds_count{{method="{method}"}}') == 0
+    assert delta("tc_kv_remote_page_requests_total") >= 4  # put, read x3, exists
+    assert delta('tc_kv_remote_page_bytes_total{direction="in"}') == 24 * 256 * 1024
+    assert delta('tc_kv_remote_page_bytes_total{direction="out"}') >= 25 * 256 * 1024
+    assert after["tc_kv_remote_page_errors_total"] == 0  # the misfit buffer is the caller's
+
+
+def test_remote_batches_larger_than_one_request_are_split(cluster):
     with cluster.connect() as rt:
         pages = _remote(rt).pages()
         data = {f"kv/large/{i}": torch.full((512 * 1024,), float(i)) for i in range(40)}  # 80 MiB

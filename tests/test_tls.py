@@ -61,6 +61,36 @@ def test_everything_speaks_tls_and_tc_finds_the_files_in_the_state_dir(tls_clust
     assert out.stat().st_size > 4000
 
 
+def test_remote_pages_speak_tls_on_the_data_port(tls_cluster, tmp_path):
+    """A caller on another host reaches the homes' data ports under mutual TLS; one without
+    the cluster's files is told why, and one with another CA is refused."""
+    c = tls_cluster
+    files = TLSFiles(*(str(c.state_dir / "tls" / n) for n in ("ca.pem", "cert.pem", "key.pem")))
+    data = {f"kv/tls/{i}": torch.full((4096,), float(i)) for i in range(12)}
+    rt = Runtime(c.record.store_addr, c.token, 10.0, files)
+    try:
+        rt.host_id = "elsewhere"  # every home is remote: its data port, under TLS
+        pages = rt.pages()
+        pages.put_pages(data, ttl_s=60)
+        got = pages.get_pages(list(data))
+        assert all(torch.equal(g.tensor(), t) for g, t in zip(got, data.values()))
+        assert pages.exists_pages(list(data)) == [True] * len(data)
+    finally:
+        rt.close()
+    # The store reached under TLS, but the data ports in plaintext: refused with the reason.
+    plain = Runtime(c.record.store_addr, c.token, 10.0, files)  # its store stub keeps TLS
+    try:
+        plain.host_id = "elsewhere"
+        plain.tls = None
+        with pytest.raises(tc.Unavailable, match="speaks TLS only"):
+            plain.pages().get_pages(list(data))
+        plain.tls = issue(tmp_path / "other")  # a CA the workers do not trust
+        with pytest.raises(tc.Unavailable, match="TLS with page home"):
+            plain.pages().exists_pages(list(data))
+    finally:
+        plain.close()
+
+
 def test_clients_without_the_clusters_certificates_are_refused(tls_cluster, tmp_path):
     c = tls_cluster
     addr, token = c.record.store_addr, c.token

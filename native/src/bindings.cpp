@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "tensorcast/page_client.h"
 #include "tensorcast/page_directory.h"
 #include "tensorcast/page_index.h"
+#include "tensorcast/page_remote.h"
 #include "tensorcast/page_server.h"
 #include "tensorcast/transport.h"
 
@@ -97,6 +99,12 @@ public:
 
     tc::DataServer& server() { return *server_; }
 
+    void serve_pages(std::shared_ptr<tc::RemotePageService> pages) {
+        pages_ = pages;
+        server_->serve_pages(std::move(pages));
+    }
+    tc::RemotePageService* pages() { return pages_.get(); }
+
     void stop() {
         {
             nb::gil_scoped_release release;
@@ -108,6 +116,7 @@ public:
 private:
     std::unique_ptr<BufferView> view_;
     std::unique_ptr<tc::DataServer> server_;
+    std::shared_ptr<tc::RemotePageService> pages_;
 };
 
 // A page as Python sees it: (key, shard, token, dtype, shape, offset, size_bytes, hash,
@@ -291,6 +300,41 @@ nb::dict to_dict(const tc::DataServerStats& s) {
     return d;
 }
 
+using PyHome = std::tuple<std::string, uint16_t, std::vector<size_t>>;
+
+std::vector<tc::RemoteHome> remote_homes(const std::vector<PyHome>& homes) {
+    std::vector<tc::RemoteHome> out;
+    out.reserve(homes.size());
+    for (const auto& [host, port, pages] : homes) out.push_back({host, port, pages});
+    return out;
+}
+
+tc::RemoteOptions remote_options(const std::string& token, const std::vector<std::string>& tls,
+                                 uint32_t timeout_ms, uint32_t streams) {
+    tc::RemoteOptions o;
+    o.token = token;
+    o.tls = tls_files(tls);
+    o.timeout_ms = timeout_ms;
+    o.streams = streams;
+    return o;
+}
+
+// Per home: None, or (error class name, message).
+nb::list home_errors(const std::vector<std::optional<tc::HomeError>>& errors) {
+    nb::list out;
+    for (const auto& e : errors)
+        out.append(e ? nb::object(nb::make_tuple(e->kind, e->message)) : nb::none());
+    return out;
+}
+
+nb::object page_info_to_py(const std::optional<tc::PageWrite>& page) {
+    if (!page) return nb::none();
+    nb::list shape;
+    for (int64_t d : page->shape) shape.append(d);
+    return nb::make_tuple(page->offset, page->size_bytes, page->dtype, nb::tuple(shape),
+                          page->hash);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -470,6 +514,33 @@ NB_MODULE(_native, m) {
             [](PyDataServer& s, uint32_t n) { s.server().inject_close_after_chunks(n); },
             nb::arg("n"), "Test hook: reset the connection that sends the n-th next chunk.")
         .def("stats", [](PyDataServer& s) { return to_dict(s.server().stats()); })
+        .def(
+            "serve_pages",
+            [](PyDataServer& s, PyPageIndex& index, const std::string& token,
+               uint64_t arena_bytes) {
+                s.serve_pages(
+                    std::make_shared<tc::RemotePageService>(index.shared(), token, arena_bytes));
+            },
+            nb::arg("index"), nb::arg("token"), nb::arg("arena_bytes"),
+            "Serve the index's KV pages to callers on other hosts on this port.")
+        .def("page_stats",
+             [](PyDataServer& s) {
+                 nb::dict d;
+                 if (s.pages() == nullptr) return d;
+                 const tc::RemotePageStats st = s.pages()->stats();
+                 d["requests"] = st.requests;
+                 d["errors_sent"] = st.errors_sent;
+                 d["bytes_received"] = st.bytes_received;
+                 d["bytes_sent"] = st.bytes_sent;
+                 d["active_connections"] = st.active_connections;
+                 return d;
+             })
+        .def(
+            "inject_corrupt_pages",
+            [](PyDataServer& s, uint32_t n) {
+                if (s.pages() != nullptr) s.pages()->inject_corrupt_pages(n);
+            },
+            nb::arg("n"), "Test hook: the next n pages read remotely carry a wrong hash.")
         .def("stop", &PyDataServer::stop,
              "Close the listener and all connections, join threads, release base. Idempotent.");
 
@@ -499,6 +570,136 @@ NB_MODULE(_native, m) {
         "Pull length bytes at source_offset of a DataServer's pool into dest[dest_offset:] over "
         "`streams` TCP connections; returns stats. Raises TransferError (.reason), "
         "TransferTimeout, TransferCancelled.");
+
+    m.attr("REMOTE_PAGE_STREAMS") = tc::kDefaultRemoteStreams;
+
+    m.def(
+        "remote_get",
+        [](const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys,
+           const std::vector<PyHome>& homes, nb::object into, const std::string& token,
+           const std::vector<std::string>& tls, uint32_t timeout_ms, uint32_t streams) {
+            const auto native = page_keys(keys);
+            const auto targets = remote_homes(homes);
+            const auto options = remote_options(token, tls, timeout_ms, streams);
+            std::vector<BufferView> views;
+            const bool given = !into.is_none();
+            if (given) {
+                const nb::sequence buffers = nb::borrow<nb::sequence>(into);
+                if (nb::len(buffers) != native.size())
+                    throw nb::value_error("remote_get: `into` needs one buffer per key");
+                views.reserve(native.size());
+                for (nb::handle b : buffers) views.emplace_back(b, "each into buffer", true);
+            }
+            std::vector<nb::object> made(native.size());  // new bytearrays (no `into`)
+            tc::PageSink sink;
+            if (given) {
+                sink = [&views](size_t i, uint64_t size) -> uint8_t* {
+                    if (size > views[i].size_bytes())
+                        throw tc::StatusError("InvalidArgument",
+                                              "a " + std::to_string(size) +
+                                                  "-byte page does not fit its " +
+                                                  std::to_string(views[i].size_bytes()) +
+                                                  "-byte buffer");
+                    return views[i].data();
+                };
+            } else {
+                // Python objects need the GIL: taken briefly per page, uninitialized memory.
+                sink = [&made](size_t i, uint64_t size) -> uint8_t* {
+                    nb::gil_scoped_acquire gil;
+                    PyObject* array = PyByteArray_FromStringAndSize(nullptr, Py_ssize_t(size));
+                    if (array == nullptr) {
+                        PyErr_Clear();
+                        throw tc::StatusError("ResourceExhausted",
+                                              "no memory for a page of " + std::to_string(size) +
+                                                  " bytes");
+                    }
+                    made[i] = nb::steal(array);
+                    return reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(array));
+                };
+            }
+            tc::RemoteGetResult result;
+            {
+                nb::gil_scoped_release release;
+                result = tc::remote_get(native, targets, sink, options);
+            }
+            nb::list pages;
+            for (size_t i = 0; i < native.size(); ++i) {
+                const auto& page = result.pages[i];
+                if (!page) {
+                    pages.append(nb::none());
+                    continue;
+                }
+                nb::list shape;
+                for (int64_t d : page->shape) shape.append(d);
+                pages.append(nb::make_tuple(page->size_bytes, page->dtype, nb::tuple(shape),
+                                            page->hash, given ? nb::none() : made[i]));
+            }
+            return nb::make_tuple(pages, home_errors(result.errors));
+        },
+        nb::arg("keys"), nb::arg("homes"), nb::arg("into").none(), nb::arg("token"),
+        nb::arg("tls"), nb::arg("timeout_ms"), nb::arg("streams") = 0,
+        "Read pages (key, shard, token) from remote homes [(host, port, [key indexes])], every "
+        "home in parallel, hash-checked as they land in `into`'s buffers (or new bytearrays). "
+        "Returns (per key: (size_bytes, dtype, shape, hash, bytearray or None) or None; per "
+        "home: None or (error kind, message)).");
+
+    m.def(
+        "remote_exists",
+        [](const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys,
+           const std::vector<PyHome>& homes, const std::string& token,
+           const std::vector<std::string>& tls, uint32_t timeout_ms) {
+            const auto native = page_keys(keys);
+            const auto targets = remote_homes(homes);
+            const auto options = remote_options(token, tls, timeout_ms, 0);
+            tc::RemoteExistsResult result;
+            {
+                nb::gil_scoped_release release;
+                result = tc::remote_exists(native, targets, options);
+            }
+            nb::list found;
+            for (bool f : result.found) found.append(f);
+            return nb::make_tuple(found, home_errors(result.errors));
+        },
+        nb::arg("keys"), nb::arg("homes"), nb::arg("token"), nb::arg("tls"),
+        nb::arg("timeout_ms"));
+
+    m.def(
+        "remote_put",
+        [](nb::sequence pages, nb::sequence sources, std::vector<std::string> hashes,
+           const std::vector<PyHome>& homes, double ttl_s, bool if_absent,
+           const std::string& token, const std::vector<std::string>& tls, uint32_t timeout_ms,
+           uint32_t streams) {
+            using Meta =
+                std::tuple<std::string, uint32_t, uint64_t, std::string, std::vector<int64_t>>;
+            const size_t count = nb::len(pages);
+            if (nb::len(sources) != count || (!hashes.empty() && hashes.size() != count))
+                throw nb::value_error("remote_put: pages, sources and hashes differ in length");
+            std::vector<BufferView> views;
+            views.reserve(count);
+            std::vector<tc::RemotePagePut> puts(count);
+            for (size_t i = 0; i < count; ++i) {
+                tc::RemotePagePut& p = puts[i];
+                std::tie(p.key, p.shard, p.token, p.dtype, p.shape) = nb::cast<Meta>(pages[i]);
+                views.emplace_back(sources[i], "each source", false);
+                p.data = views.back().data();
+                p.size_bytes = views.back().size_bytes();
+                if (!hashes.empty()) p.hash = hashes[i];
+            }
+            const auto targets = remote_homes(homes);
+            const auto options = remote_options(token, tls, timeout_ms, streams);
+            tc::RemotePutResult result;
+            {
+                nb::gil_scoped_release release;
+                result = tc::remote_put(puts, targets, ttl_s, if_absent, options);
+            }
+            return nb::make_tuple(result.hashes, home_errors(result.errors));
+        },
+        nb::arg("pages"), nb::arg("sources"), nb::arg("hashes"), nb::arg("homes"),
+        nb::arg("ttl_s"), nb::arg("if_absent"), nb::arg("token"), nb::arg("tls"),
+        nb::arg("timeout_ms"), nb::arg("streams") = 0,
+        "Store pages (key, shard, token, dtype, shape) whose bytes are `sources` at remote homes "
+        "[(host, port, [page indexes])], every home in parallel. `hashes` (or []: computed "
+        "here) are checked by the homes. Returns (hashes, per home: None or (kind, message)).");
 
     nb::class_<tc::ArenaAllocator>(m, "ArenaAllocator",
                                    "First-fit, page-aligned allocator over a fixed arena (pure "
@@ -533,15 +734,70 @@ NB_MODULE(_native, m) {
         .def(
             "commit",
             [](PyPageIndex& p, const std::vector<PyPageWrite>& writes, double ttl_s, bool home,
-               bool if_absent) {
+               bool if_absent, bool check_hashes) {
                 const auto native = page_writes(writes);
                 tc::CommitOptions options;
                 options.home = home;
                 options.if_absent = if_absent;
+                options.check_hashes = check_hashes;
                 nb::gil_scoped_release release;
                 p.index().commit(native, ttl_s, options);
             },
-            nb::arg("writes"), nb::arg("ttl_s"), nb::arg("home"), nb::arg("if_absent") = false)
+            nb::arg("writes"), nb::arg("ttl_s"), nb::arg("home"), nb::arg("if_absent") = false,
+            nb::arg("check_hashes") = true,
+            "check_hashes=False only for regions whose bytes this process hashed as it wrote "
+            "them (fetch_remote).")
+        .def(
+            "fetch_remote",
+            [](PyPageIndex& p, const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys,
+               const std::vector<PyHome>& homes, const std::string& token,
+               const std::vector<std::string>& tls, uint32_t timeout_ms, uint32_t streams) {
+                const auto native = page_keys(keys);
+                const auto targets = remote_homes(homes);
+                const auto options = remote_options(token, tls, timeout_ms, streams);
+                tc::PageIndex& index = p.index();
+                uint8_t* const base = index.base();
+                constexpr uint64_t kNone = ~0ull;
+                std::vector<uint64_t> offsets(native.size(), kNone), sizes(native.size(), 0);
+                std::mutex mutex;  // parts allocate concurrently
+                tc::RemoteGetResult result;
+                {
+                    nb::gil_scoped_release release;
+                    // Straight into regions of this pool; a retried page reuses its region.
+                    const tc::PageSink sink = [&](size_t i, uint64_t size) -> uint8_t* {
+                        std::lock_guard<std::mutex> lock(mutex);
+                        if (offsets[i] != kNone && sizes[i] != size) {
+                            index.free({offsets[i]});
+                            offsets[i] = kNone;
+                        }
+                        if (offsets[i] == kNone) {
+                            offsets[i] = index.allocate({size}, true)[0];
+                            sizes[i] = size;
+                        }
+                        return base + offsets[i];
+                    };
+                    result = tc::remote_get(native, targets, sink, options);
+                    std::vector<uint64_t> unused;
+                    for (size_t i = 0; i < native.size(); ++i) {
+                        if (offsets[i] == kNone) continue;
+                        if (result.pages[i])
+                            result.pages[i]->offset = offsets[i];
+                        else
+                            unused.push_back(offsets[i]);
+                    }
+                    index.free(unused);
+                }
+                nb::list found;
+                for (const auto& page : result.pages) found.append(page_info_to_py(page));
+                return nb::make_tuple(found, home_errors(result.errors));
+            },
+            nb::arg("keys"), nb::arg("homes"), nb::arg("token"), nb::arg("tls"),
+            nb::arg("timeout_ms"), nb::arg("streams") = 0,
+            "Read pages (key, shard, token) from remote homes [(host, port, [key indexes])] "
+            "straight into regions of this pool, each hash-checked as it lands. Returns (per key: "
+            "(offset, size_bytes, dtype, shape, hash) of an uncommitted region, or None; per "
+            "home: None or (error kind, message)). Commit the regions (check_hashes=False) or "
+            "free them.")
         .def(
             "lookup",
             [](PyPageIndex& p, const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {

@@ -16,6 +16,8 @@
 #include "net.h"
 #include "tls.h"
 #include "tensorcast/frame.h"
+#include "tensorcast/page_remote.h"
+#include "tensorcast/page_server.h"
 #include "tensorcast/transport.h"
 
 #include "xxh.h"
@@ -87,6 +89,9 @@ struct DataServer::Impl {
     std::thread accept_thread;
     std::once_flag stop_once;
 
+    std::mutex pages_mutex;
+    std::shared_ptr<RemotePageService> pages;  // null: this port serves no pages
+
     std::atomic<uint32_t> corrupt_countdown{0};
     std::atomic<uint32_t> close_countdown{0};
     std::atomic<uint64_t> bytes_sent{0}, chunks_sent{0}, active{0}, accepted{0}, refused{0},
@@ -100,6 +105,8 @@ struct DataServer::Impl {
     // `ssl`: the connection's TLS session, if any.
     bool send_error(int fd, uint64_t request_id, frame::ErrorCode code, const std::string& text,
                     ssl_st* ssl = nullptr);
+    // An error in the page protocol's framing (to a page client), then the connection closes.
+    void send_page_error(int fd, const std::string& kind, const std::string& text, ssl_st* ssl);
 };
 
 DataServer::DataServer(const std::string& host, uint16_t port, const uint8_t* base,
@@ -193,6 +200,11 @@ std::vector<uint64_t> DataServer::idle_tickets(uint32_t idle_ms) const {
 void DataServer::close_ticket(uint64_t id) {
     std::lock_guard<std::mutex> lock(impl_->tickets_mutex);
     impl_->tickets.erase(id);
+}
+
+void DataServer::serve_pages(std::shared_ptr<RemotePageService> pages) {
+    std::lock_guard<std::mutex> lock(impl_->pages_mutex);
+    impl_->pages = std::move(pages);
 }
 
 void DataServer::inject_corrupt_chunks(uint32_t n) { impl_->corrupt_countdown = n; }
@@ -291,6 +303,31 @@ bool DataServer::Impl::send_error(int fd, uint64_t request_id, frame::ErrorCode 
     return net::send_all(fd, iov, 2, limits, nullptr) == net::Io::kOk;
 }
 
+void DataServer::Impl::send_page_error(int fd, const std::string& kind, const std::string& text,
+                                       ssl_st* ssl) {
+    std::vector<uint8_t> body;
+    const auto append = [&body](const void* p, size_t n) {
+        body.insert(body.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+    };
+    const uint16_t kind_bytes = uint16_t(kind.size());
+    const uint32_t text_bytes = uint32_t(text.size());
+    append(&kind_bytes, 2);
+    append(kind.data(), kind.size());
+    append(&text_bytes, 4);
+    append(text.data(), text.size());
+    uint8_t header[8] = {kPageProtocolVersion, 1, 0, 0};
+    const uint32_t size = uint32_t(body.size());
+    std::memcpy(header + 4, &size, 4);
+    iovec iov[2] = {{header, sizeof header}, {body.data(), body.size()}};
+    net::IoLimits limits;
+    limits.wake_fd = wake.get();
+    limits.deadline = Clock::now() + std::chrono::seconds(2);
+    limits.ssl = ssl;
+    ++errors_sent;
+    if (net::send_all(fd, iov, 2, limits, nullptr) == net::Io::kOk)
+        net::finish_sending(fd, 1000);  // the caller reads the reason before the close
+}
+
 frame::ErrorCode DataServer::Impl::check_read(uint64_t ticket_id, uint64_t offset,
                                               uint64_t length_bytes, bool* ok) {
     *ok = false;
@@ -326,8 +363,12 @@ void DataServer::Impl::serve(Connection* connection) {
         uint8_t first = 0;
         if (net::wait_ready(fd, POLLIN, limits, connected_at) != net::Io::kOk) return;
         if (::recv(fd, &first, 1, MSG_PEEK) == 1 && first != 22) {
-            send_error(fd, 0, frame::ErrorCode::kNotAuthenticated,
-                       "this data server speaks TLS only: give the client the cluster's TLS files");
+            const char* text =
+                "this data server speaks TLS only: give the client the cluster's TLS files";
+            if (first == kPageProtocolVersion)
+                send_page_error(fd, "Unavailable", text, nullptr);
+            else
+                send_error(fd, 0, frame::ErrorCode::kNotAuthenticated, text);
             return;
         }
         if (!tls::handshake(fd, tls.get(), true, "", limits, &connection->session).empty())
@@ -335,13 +376,40 @@ void DataServer::Impl::serve(Connection* connection) {
         limits.ssl = connection->session.get();
     }
 
+    bool first_frame = true;
     for (;;) {
         // Read one header: handshake deadline first, then an idle timeout.
         limits.deadline = authenticated
                               ? Clock::now() + std::chrono::milliseconds(kIdleTimeoutMs)
                               : connected_at + std::chrono::milliseconds(kHandshakeTimeoutMs);
         limits.stall_ms = 0;
-        if (net::recv_all(fd, raw, sizeof raw, limits, nullptr) != net::Io::kOk) return;
+        if (first_frame) {
+            // A page client's first frame is a page header (8 bytes, its first byte the page
+            // protocol's version; ours starts with "TCDP"): that connection belongs to the
+            // worker's remote page service.
+            first_frame = false;
+            constexpr size_t kPageHeader = 8;
+            if (net::recv_all(fd, raw, kPageHeader, limits, nullptr) != net::Io::kOk) return;
+            if (raw[0] == kPageProtocolVersion) {
+                std::shared_ptr<RemotePageService> service;
+                {
+                    std::lock_guard<std::mutex> lock(pages_mutex);
+                    service = pages;
+                }
+                if (!service) {
+                    send_page_error(fd, "Unavailable", "this data port serves no KV pages",
+                                    limits.ssl);
+                    return;
+                }
+                service->serve(fd, limits.ssl, raw, wake.get());
+                return;
+            }
+            if (net::recv_all(fd, raw + kPageHeader, sizeof raw - kPageHeader, limits, nullptr) !=
+                net::Io::kOk)
+                return;
+        } else if (net::recv_all(fd, raw, sizeof raw, limits, nullptr) != net::Io::kOk) {
+            return;
+        }
         frame::Header h;
         const frame::Status status = frame::decode_header(raw, sizeof raw, &h);
         if (status != frame::Status::kOk) {

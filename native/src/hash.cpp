@@ -80,6 +80,55 @@ Digest tree_hash_finish(uint8_t* record, size_t chunks, uint64_t size_bytes) {
     return digest;
 }
 
+struct StreamTreeHasher::State {
+    XXH3_state_t chunk;
+    size_t in_chunk = 0;   // bytes of the current chunk hashed so far
+    uint64_t total = 0;    // bytes since reset
+    std::vector<uint8_t> record;  // finished chunks' canonical digests
+};
+
+StreamTreeHasher::StreamTreeHasher() : state_(new State) { reset(); }
+StreamTreeHasher::~StreamTreeHasher() { delete state_; }
+
+void StreamTreeHasher::reset() {
+    XXH3_128bits_reset(&state_->chunk);
+    state_->in_chunk = 0;
+    state_->total = 0;
+    state_->record.clear();
+}
+
+void StreamTreeHasher::update(const uint8_t* data, size_t size_bytes) {
+    State& s = *state_;
+    while (size_bytes > 0) {
+        const size_t n = std::min(size_bytes, kTreeHashChunkBytes - s.in_chunk);
+        xxh::update128(&s.chunk, data, n);
+        s.in_chunk += n;
+        s.total += n;
+        data += n;
+        size_bytes -= n;
+        if (s.in_chunk == kTreeHashChunkBytes) {
+            const size_t at = s.record.size();
+            s.record.resize(at + 16);
+            xxh::store_canonical(XXH3_128bits_digest(&s.chunk), s.record.data() + at);
+            XXH3_128bits_reset(&s.chunk);
+            s.in_chunk = 0;
+        }
+    }
+}
+
+Digest StreamTreeHasher::finish() {
+    State& s = *state_;
+    // tree_hash has one chunk per started 4 MiB, and none for an empty buffer.
+    if (s.in_chunk > 0) {
+        const size_t at = s.record.size();
+        s.record.resize(at + 16);
+        xxh::store_canonical(XXH3_128bits_digest(&s.chunk), s.record.data() + at);
+    }
+    const size_t chunks = s.record.size() / 16;
+    s.record.resize(s.record.size() + 8);
+    return tree_hash_finish(s.record.data(), chunks, s.total);
+}
+
 Digest tree_hash(const uint8_t* data, size_t size_bytes, unsigned threads) {
     return tree_hash_many({{data, size_bytes}}, threads)[0];
 }

@@ -1,8 +1,10 @@
 #include "net.h"
 
+#include "link.h"
 #include "tls.h"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -204,7 +206,7 @@ Io send_all(int fd, iovec* iov, int iov_count, const IoLimits& limits, int* erro
         }
         msghdr message{};
         message.msg_iov = iov;
-        message.msg_iovlen = size_t(iov_count);
+        message.msg_iovlen = size_t(std::min(iov_count, IOV_MAX));  // more is EMSGSIZE
         const ssize_t n = ::sendmsg(fd, &message, MSG_NOSIGNAL);
         if (n < 0) {
             if (errno == EINTR) continue;
@@ -262,6 +264,57 @@ Io recv_step(int fd, uint8_t* dest, uint64_t size_bytes, const IoLimits& limits,
 
 Io recv_all(int fd, uint8_t* dest, uint64_t size_bytes, const IoLimits& limits, int* error) {
     return recv_all(fd, dest, size_bytes, limits, error, [](const uint8_t*, uint64_t) {});
+}
+
+void finish_sending(int fd, int wait_ms) {
+    ::shutdown(fd, SHUT_WR);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
+    uint8_t scratch[4096];
+    for (;;) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                              deadline - Clock::now())
+                              .count();
+        if (left <= 0) return;
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, int(left)) <= 0) return;
+        const ssize_t n = ::recv(fd, scratch, sizeof scratch, MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) return;
+    }
+}
+
+Fd connect_any(const std::vector<Address>& addresses, Clock::time_point deadline, int wake_fd,
+               Wait* wait, int* error) {
+    *wait = Wait::kReady;
+    *error = 0;
+    for (const auto& address : addresses) {
+        Fd candidate(::socket(address.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+        if (!candidate.valid()) {
+            *error = errno;
+            continue;
+        }
+        tune_socket(candidate.get());  // before connect: the window scale is fixed then
+        if (::connect(candidate.get(), reinterpret_cast<const sockaddr*>(&address.storage),
+                      address.size_bytes) != 0) {
+            if (errno != EINPROGRESS) {
+                *error = errno;
+                continue;
+            }
+            const Wait waited = wait_for(candidate.get(), POLLOUT, wake_fd, deadline);
+            if (waited != Wait::kReady) {
+                *wait = waited;
+                return Fd();
+            }
+            int so_error = 0;
+            socklen_t size = sizeof so_error;
+            ::getsockopt(candidate.get(), SOL_SOCKET, SO_ERROR, &so_error, &size);
+            if (so_error != 0) {
+                *error = so_error;
+                continue;
+            }
+        }
+        return candidate;
+    }
+    return Fd();
 }
 
 }  // namespace tc::net

@@ -95,6 +95,11 @@ struct IoLimits {
     ssl_st* ssl = nullptr;
 };
 
+// After a final error reply: stop sending (FIN after the reply) and read whatever the peer still
+// sends until it closes or `wait_ms` passes. Closing with unread bytes would send a reset, and a
+// reset can destroy the reply before the peer reads it.
+void finish_sending(int fd, int wait_ms);
+
 // Waits until fd has `events` within the limits (deadline, stall since last_progress, wake_fd):
 // kOk when it has, else kTimeout / kWoken.
 Io wait_ready(int fd, short events, const IoLimits& limits, Clock::time_point last_progress);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,10 +13,22 @@
 
 namespace tc::page_wire {
 
-enum Op : uint8_t { kHello = 1, kAlloc = 2, kCommit = 3, kGet = 4, kExists = 5, kWake = 6 };
+// 1-6: the same-host page socket; READ and PUT carry page bytes after the body, for callers on
+// other hosts (the worker's data port, page_remote.h). HELLO and EXISTS serve both.
+enum Op : uint8_t {
+    kHello = 1,
+    kAlloc = 2,
+    kCommit = 3,
+    kGet = 4,
+    kExists = 5,
+    kWake = 6,
+    kRead = 7,
+    kPut = 8
+};
 constexpr size_t kHeaderBytes = 8;
 constexpr size_t kMinKeyBytes = 14;    // str (2) + shard (4) + token (8)
 constexpr size_t kMinWriteBytes = 40;  // the fixed part of a commit's page
+constexpr size_t kMinPutBytes = 33;    // the fixed part of a remote put's page
 
 inline StatusError malformed(const std::string& what) {
     return StatusError("InvalidArgument", "malformed page request: " + what);
@@ -137,6 +150,87 @@ inline PageWrite read_page(Reader& in) {
     w.size_bytes = in.number<uint64_t>();
     w.hash = in.str();
     return w;
+}
+
+// A page a remote PUT carries (its bytes follow the body, in order): what it is and its hash.
+inline void write_put(Writer& out, const PageMeta& meta, uint64_t size_bytes,
+                      const std::string& hash) {
+    out.str(meta.key);
+    out.number(meta.shard);
+    out.number(meta.token);
+    out.str(meta.dtype);
+    out.shape(meta.shape);
+    out.number(size_bytes);
+    out.str(hash);
+}
+
+inline PageWrite read_put(Reader& in) {
+    PageWrite w;
+    w.key = in.str();
+    w.shard = in.number<uint32_t>();
+    w.token = in.number<uint64_t>();
+    w.dtype = in.str();
+    w.shape = in.shape();
+    w.size_bytes = in.number<uint64_t>();
+    w.hash = in.str();
+    return w;
+}
+
+// One entry of a READ reply: found, then (size, dtype, shape, hash); the bytes follow the body.
+inline void write_found(Writer& out, const std::optional<Page>& page) {
+    out.number(uint8_t(page.has_value()));
+    if (!page) return;
+    out.number(page->size_bytes);
+    out.str(page->dtype);
+    out.shape(page->shape);
+    out.str(page->hash);
+}
+
+inline std::optional<PageWrite> read_found(Reader& in) {
+    const uint8_t found = in.number<uint8_t>();
+    if (found > 1) throw malformed("found flag " + std::to_string(found));
+    if (!found) return std::nullopt;
+    PageWrite w;
+    w.size_bytes = in.number<uint64_t>();
+    w.dtype = in.str();
+    w.shape = in.shape();
+    w.hash = in.str();
+    if (w.size_bytes > kMaxPageBytes) throw malformed("page of " + std::to_string(w.size_bytes) + " bytes");
+    return w;
+}
+
+// A remote PUT's body (page_remote.h), parsed and checked: at most kMaxPageBatch pages of at most
+// kMaxPageBytes each, known flags, and at most `max_total_bytes` of page bytes to follow. Pure:
+// throws StatusError("InvalidArgument") on anything else (the fuzz target calls it directly).
+struct PutRequest {
+    double ttl_s = 0;
+    bool if_absent = false;
+    std::vector<PageWrite> pages;  // offsets 0
+    uint64_t total_bytes = 0;
+};
+
+inline PutRequest parse_put(const uint8_t* body, size_t size, uint64_t max_total_bytes) {
+    Reader in(body, size);
+    PutRequest out;
+    out.ttl_s = in.number<double>();
+    const uint8_t flags = in.number<uint8_t>();
+    if (flags > 1) throw malformed("unknown put flags " + std::to_string(flags));
+    out.if_absent = flags & 1;
+    out.pages.resize(in.count(kMaxPageBatch, kMinPutBytes));
+    for (auto& w : out.pages) {
+        w = read_put(in);
+        if (w.size_bytes > kMaxPageBytes)
+            throw StatusError("InvalidArgument", "page of " + std::to_string(w.size_bytes) +
+                                                     " bytes, the limit is " +
+                                                     std::to_string(kMaxPageBytes));
+        out.total_bytes += w.size_bytes;
+    }
+    in.end();
+    if (out.total_bytes > max_total_bytes)
+        throw StatusError("InvalidArgument", "a put of " + std::to_string(out.total_bytes) +
+                                                 " page bytes, the limit per request is " +
+                                                 std::to_string(max_total_bytes));
+    return out;
 }
 
 inline void write_offsets(Writer& out, const std::vector<uint64_t>& values) {

@@ -12,6 +12,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "link.h"
 #include "net.h"
 #include "tls.h"
 #include "tensorcast/frame.h"
@@ -34,69 +35,9 @@ constexpr int kReceiveStallMs = 10'000;
 // recv() at most this much at a time so each piece is hashed while still in cache.
 constexpr uint64_t kRecvPieceBytes = 256 << 10;
 constexpr uint64_t kMaxPullChunks = 1 << 20;
-// Authenticated connections left idle by finished pulls, kept for the next pull from the same
-// server: no connect, no HELLO, and a congestion window that has already grown. The age limit
-// stays well below the server's idle timeout (5 min), so a pooled connection is rarely stale.
-constexpr int kPoolIdleMs = 30'000;
-constexpr size_t kPoolMaxPerServer = 8;
-constexpr size_t kPoolMaxServers = 64;
+using net::Link;
 
-// An authenticated connection to a data server (TLS ones carry their session).
-struct Link {
-    net::Fd fd;
-    tls::Session session;
-};
-
-class ConnectionPool {
-public:
-    std::optional<Link> take(const std::string& key) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        const auto it = idle_.find(key);
-        if (it == idle_.end()) return std::nullopt;
-        auto& list = it->second;
-        const auto oldest = Clock::now() - milliseconds(kPoolIdleMs);
-        std::optional<Link> found;
-        while (!list.empty() && !found) {
-            Idle idle = std::move(list.back());
-            list.pop_back();
-            if (idle.since > oldest && still_open(idle.link.fd.get()))
-                found = std::move(idle.link);
-        }
-        if (list.empty()) idle_.erase(it);
-        return found;
-    }
-
-    void give(const std::string& key, Link link) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto& list = idle_[key];
-        if (list.size() >= kPoolMaxPerServer || idle_.size() > kPoolMaxServers) {
-            if (list.empty()) idle_.erase(key);
-            return;  // the connection closes here
-        }
-        list.push_back(Idle{std::move(link), Clock::now()});
-    }
-
-private:
-    struct Idle {
-        Link link;
-        Clock::time_point since;
-    };
-
-    // An idle connection must have nothing to read: readable means the server closed it (EOF)
-    // or sent something unexpected; either way it is not reusable.
-    static bool still_open(int fd) {
-        pollfd p{fd, POLLIN, 0};
-        return ::poll(&p, 1, 0) == 0;
-    }
-
-    std::mutex mutex_;
-    std::unordered_map<std::string, std::vector<Idle>> idle_;
-};
-
-ConnectionPool& connection_pool() {
-    static ConnectionPool* pool = new ConnectionPool();  // never destroyed: safe at exit
-    return *pool;
-}
+net::LinkPool& connection_pool() { return net::link_pool(); }
 
 // Ends one connection; the chunks it had in flight go back to the queue.
 struct ConnectionLost {

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
     from tensorcast.sdk.page_client import PageConnection, PutMeta, Wanted
     from tensorcast.sdk.pages import PageData, PageRef, Pages
-    from tensorcast.types import ShardLease
 
 _pinned: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _pinned_lock = threading.Lock()
@@ -133,9 +132,7 @@ def get_into_device(
     pages: Pages, keys: Sequence[str | PageRef], into: Sequence[Any], cache: Any = None
 ) -> list[PageData | None]:
     """`Pages.get_pages(keys, into=...)` where the buffers are GPU tensors."""
-    from tensorcast.proto import tensorcast_pb2 as pb
-    from tensorcast.rpc.page_calls import get_all
-    from tensorcast.sdk.pages import PageRef, _from_pb
+    from tensorcast.sdk.pages import PageRef
 
     if not all(on_device(b) for b in into):
         raise errors.InvalidArgument("`into` mixes GPU and host buffers: one kind per call")
@@ -156,32 +153,29 @@ def get_into_device(
     if not todo:
         return out
 
-    def get(lease: ShardLease, ix: list[int], wanted: list[Wanted]) -> None:
-        import torch
-
+    def local(conn: PageConnection, ix: list[int], wanted: list[Wanted]) -> None:
         indexes = [todo[j] for j in ix]
-        conn = pages._local(lease)
-        if conn is not None:
-            got = _get_local(conn, wanted, [dests[i] for i in indexes])
-        else:
-            replies = get_all(
-                pages._stub(lease),
-                [pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted],
-                pages.rt.timeout_s,
-            )
-            got = []
-            for i, reply in zip(indexes, replies):
-                page = _from_pb(reply)  # hash-checked on arrival
-                if page is not None:
-                    dest = _fit(dests[i], len(page.data))
-                    if len(page.data):
-                        dest.copy_(torch.frombuffer(page.data, dtype=torch.uint8))
-                    page = _device_page(page.key, page.dtype, page.shape, dest, page.hash)
-                got.append(page)
-        for i, page in zip(indexes, got):
+        for i, page in zip(indexes, _get_local(conn, wanted, [dests[i] for i in indexes])):
             out[i] = page
 
-    pages._each_home([names[i] for i in todo], get)
+    def remote(groups: list) -> list:
+        """Remote homes: received into host memory (hash-checked), then copied to the GPU."""
+        import torch
+
+        indexes = [todo[j] for _, ix, _ in groups for j in ix]
+        got, failures = pages._get_remote(
+            [w for _, _, ws in groups for w in ws], pages._remote_homes(groups), None
+        )
+        for i, page in zip(indexes, got):
+            if page is not None:
+                dest = _fit(dests[i], len(page.data))
+                if len(page.data):
+                    dest.copy_(torch.frombuffer(page.data, dtype=torch.uint8))
+                page = _device_page(page.key, page.dtype, page.shape, dest, page.hash)
+            out[i] = page
+        return failures
+
+    pages._each_home([names[i] for i in todo], local, remote, partial=True)
     return out
 
 

@@ -1,22 +1,23 @@
 """KV pages: batch `put_pages` / `get_pages` / `exists_pages` straight to the shard homes.
 
 The client caches the shard lease table (one request, refreshed only when a home answers with a
-FencingError or is unreachable), so page traffic never touches the Global Store. A home on this
-host is reached through its Unix socket and shared memory (one round trip per batch, bytes copied
-in place); a remote one through gRPC. Every page is checked end to end by its hash.
+FencingError or is unreachable) and the homes' data ports, so page traffic never touches the
+Global Store. A home on this host is reached through its Unix socket and shared memory (one round
+trip per batch, bytes copied in place); a home on another host through the native data plane
+(its data port: binary page frames, every home of a batch in parallel, bytes sent from and
+received into the caller's buffers). Every page is checked end to end by its hash.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tensorcast import errors
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import shard_table_from_pb
-from tensorcast.rpc.page_calls import get_all
 from tensorcast.sdk import gpu_pages
 from tensorcast.sdk.page_client import PageConnection, Wanted
 from tensorcast.sharding import shard_of
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 
     from tensorcast.sdk.runtime import Runtime
 
-MAX_REQUEST_BYTES = 48 * 1024 * 1024  # below the 64 MiB gRPC message limit
 PageValue = Any  # a CPU torch.Tensor or a bytes-like object
+# A remote home's share of a batch: its lease, the batch's indexes it holds, their (key, shard,
+# token). Remote calls take every home's share at once and return an error (or None) per share.
+RemoteGroup = tuple[ShardLease, list[int], list[Wanted]]
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class Pages:
         self._fetch = fetch_table or (lambda: rt.store.call("ListShards", pb.Empty()))
         self._table: ShardTable | None = None
         self._conns: dict[str, PageConnection] = {}  # same-host homes, by worker id
+        self._data_addrs: dict[str, str] = {}  # every worker's data port, by worker id
         self._lock = threading.Lock()
         self.table_fetches = 0  # lease table requests made so far (the only metadata traffic)
 
@@ -122,6 +126,8 @@ class Pages:
             if self._table is None or refresh:
                 self._table = shard_table_from_pb(self._fetch())
                 self.table_fetches += 1
+                if refresh:
+                    self._data_addrs.clear()  # a home may have restarted on another port
             return self._table
 
     def _home(self, shard: int, table: ShardTable) -> ShardLease:
@@ -134,11 +140,19 @@ class Pages:
         return lease
 
     def _each_home(
-        self, keys: Sequence[str], fn: Callable[[ShardLease, list[int], list[Wanted]], None]
-    ) -> None:
-        """Run `fn(home lease, indexes of keys, their (key, shard, token))` once per shard home
-        (in requests of at most MAX_PAGE_BATCH keys). Groups that fail with a fencing error or
-        an unreachable home are retried once with a fresh lease table."""
+        self,
+        keys: Sequence[str],
+        local: Callable[[PageConnection, list[int], list[Wanted]], None],
+        remote: Callable[[list[RemoteGroup]], list[errors.TensorcastError | None]],
+        *,
+        partial: bool = False,
+    ) -> list[int]:
+        """Run `local(connection, indexes of keys, their (key, shard, token))` for each home on
+        this host (in requests of at most MAX_PAGE_BATCH keys) and `remote(groups)` once for
+        every home on other hosts (the native call runs them in parallel). Keys whose home
+        failed with a fencing error or was unreachable are retried once with a fresh lease
+        table. What still fails raises, unless `partial` and other homes served their keys:
+        then the indexes left unserved are returned (reads treat them as absent)."""
         pending = list(range(len(keys)))
         shards: list[int] = []
         num_shards = 0
@@ -150,25 +164,78 @@ class Pages:
                 shards = [shard_of(k, num_shards) for k in keys]
             groups: dict[str, list[int]] = {}
             leases: dict[str, ShardLease] = {}
+            failed: list[int] = []
             for i in pending:
-                lease = self._home(shards[i], table)
+                try:
+                    lease = self._home(shards[i], table)
+                except errors.Unavailable as e:
+                    failed.append(i)
+                    error = e
+                    continue
                 groups.setdefault(lease.holder_worker_id, []).append(i)
                 leases[lease.holder_worker_id] = lease
-            failed: list[int] = []
+            far: list[RemoteGroup] = []
             for home, indexes in groups.items():
+                lease = leases[home]
+                wanted = [(keys[i], shards[i], table.leases[shards[i]].token) for i in indexes]
+                try:
+                    conn = self._local(lease)
+                except errors.Unavailable as e:
+                    failed += indexes
+                    error = e
+                    continue
+                if conn is None:
+                    far.append((lease, indexes, wanted))
+                    continue
                 for start in range(0, len(indexes), native.MAX_PAGE_BATCH):
-                    chunk = indexes[start : start + native.MAX_PAGE_BATCH]
-                    wanted = [(keys[i], shards[i], table.leases[shards[i]].token) for i in chunk]
+                    end = start + native.MAX_PAGE_BATCH
                     try:
-                        fn(leases[home], chunk, wanted)
+                        local(conn, indexes[start:end], wanted[start:end])
                     except (errors.FencingError, errors.Unavailable) as e:
-                        failed += chunk
+                        failed += indexes[start:end]
                         error = e
+            if far:
+                for (_, indexes, _), failure in zip(far, remote(far)):
+                    if failure is None:
+                        continue
+                    if not isinstance(failure, (errors.FencingError, errors.Unavailable)):
+                        raise failure
+                    failed += indexes
+                    error = failure
             if not failed:
-                return
+                return []
             pending = failed
         assert error is not None
+        if partial and len(pending) < len(keys):
+            return pending
         raise error
+
+    def _remote_homes(self, groups: list[RemoteGroup]) -> list[native.RemoteHome]:
+        """Each group's home as the native calls take it: its data port and the group's
+        positions in the call's own key list (groups in order, back to back)."""
+        homes, at = [], 0
+        for lease, indexes, _ in groups:
+            homes.append(
+                native.remote_home(self._data_addr(lease), list(range(at, at + len(indexes))))
+            )
+            at += len(indexes)
+        return homes
+
+    def _data_addr(self, lease: ShardLease) -> str:
+        """A remote home's data port, from the store's worker list (fetched when a home is not
+        in it yet, and again after a lease table refresh)."""
+        with self._lock:
+            addr = self._data_addrs.get(lease.holder_worker_id)
+        if addr is None:
+            found = {w.worker_id: w.data_addr for w in self.rt.workers() if w.data_addr}
+            with self._lock:
+                self._data_addrs.update(found)
+            addr = found.get(lease.holder_worker_id)
+        if not addr:
+            raise errors.Unavailable(
+                f"page home {lease.holder_worker_id} has no data port the store knows of"
+            )
+        return addr
 
     def ref_of(self, page: PageData) -> PageRef:
         """The reference of a page just read: its shard, the current token, its hash."""
@@ -215,45 +282,44 @@ class Pages:
         encoded = [_encode(pages[k]) for k in keys]
         refs: list[PageRef | None] = [None] * len(keys)
 
-        def put(lease: ShardLease, indexes: list[int], wanted: list[Wanted]) -> None:
-            metas = [(*w, *encoded[i][:2]) for i, w in zip(indexes, wanted)]
-            views = [encoded[i][2] for i in indexes]
-            conn = self._local(lease)
-            if conn is not None and any(gpu_pages.on_device(v) for v in views):
-                hashes = gpu_pages.put_local(conn, ttl_s, metas, views)
-            elif conn is not None:  # hashed as it is copied into the home's pool
-                hashes = conn.put(ttl_s, metas, views)
-            else:
-                views = [gpu_pages.host_bytes(v) for v in views]
-                hashes = native.hash_buffers(views)
-                self._put_remote(
-                    lease,
-                    [
-                        pb.Page(
-                            key=k, shard=s, token=t, dtype=d, shape=list(sh), data=bytes(v), hash=h
-                        )
-                        for (k, s, t, d, sh), v, h in zip(metas, views, hashes)
-                    ],
-                    ttl_s,
-                )
+        def done(indexes: list[int], metas: list, views: list, hashes: list[str]) -> None:
             for i, (key, shard, token, dtype, shape), view, digest in zip(
                 indexes, metas, views, hashes
             ):
                 refs[i] = PageRef(key, shard, token, digest, dtype, shape, view.nbytes)
 
-        self._each_home(keys, put)
-        return [r for r in refs if r is not None]
+        def local(conn: PageConnection, indexes: list[int], wanted: list[Wanted]) -> None:
+            metas = [(*w, *encoded[i][:2]) for i, w in zip(indexes, wanted)]
+            views = [encoded[i][2] for i in indexes]
+            if any(gpu_pages.on_device(v) for v in views):
+                hashes = gpu_pages.put_local(conn, ttl_s, metas, views)
+            else:  # hashed as it is copied into the home's pool
+                hashes = conn.put(ttl_s, metas, views)
+            done(indexes, metas, views, hashes)
 
-    def _put_remote(self, lease: ShardLease, pages: list[pb.Page], ttl_s: float) -> None:
-        """PutPages in requests below the gRPC message limit."""
-        stub = self._stub(lease)
-        start, size = 0, 0
-        for end, page in enumerate(pages):
-            if size + len(page.data) > MAX_REQUEST_BYTES and end > start:
-                stub.call("PutPages", pb.PutPagesRequest(pages=pages[start:end], ttl_s=ttl_s))
-                start, size = end, 0
-            size += len(page.data)
-        stub.call("PutPages", pb.PutPagesRequest(pages=pages[start:], ttl_s=ttl_s))
+        def remote(groups: list[RemoteGroup]) -> list[errors.TensorcastError | None]:
+            indexes = [i for _, ix, _ in groups for i in ix]
+            metas = [(*w, *encoded[i][:2]) for _, ix, ws in groups for i, w in zip(ix, ws)]
+            views = [gpu_pages.host_bytes(encoded[i][2]) for i in indexes]
+            hashes, failures = native.remote_put(
+                metas,
+                views,
+                self._remote_homes(groups),
+                self.rt.token,
+                ttl_s=ttl_s,
+                tls=self.rt.tls,
+                timeout_s=self.rt.timeout_s,
+            )
+            at = 0
+            for (_, ix, _), failure in zip(groups, failures):
+                if failure is None:
+                    part = slice(at, at + len(ix))
+                    done(ix, metas[part], views[part], hashes[part])
+                at += len(ix)
+            return failures
+
+        self._each_home(keys, local, remote)
+        return [r for r in refs if r is not None]
 
     def get_pages(
         self,
@@ -268,6 +334,10 @@ class Pages:
         `into` (writable buffers aligned with `keys`, e.g. an engine's preallocated KV blocks)
         receives the bytes instead of new allocations: copying into memory already touched is
         several times faster than into fresh pages. A page larger than its buffer is an error.
+
+        A batch whose keys live at several homes reads the pages of a home that cannot be
+        reached (killed, cut off) as absent and returns the others; when no home of the batch
+        can be reached, it raises Unavailable.
         """
         if into is not None and len(into) != len(keys):
             raise errors.InvalidArgument("`into` needs one buffer per key")
@@ -292,32 +362,56 @@ class Pages:
         located: list[tuple[int, PageData]] = []
         sources: list[memoryview] = []
 
-        def get(lease: ShardLease, ix: list[int], wanted: list[Wanted]) -> None:
+        def local(conn: PageConnection, ix: list[int], wanted: list[Wanted]) -> None:
             indexes = [todo[j] for j in ix]
-            conn = self._local(lease)
-            if conn is not None:
-                pages, regions = self._locate_local(
-                    conn, wanted, [into[i] for i in indexes] if into else None
-                )
-                located.extend((i, p) for i, p in zip(indexes, pages) if p is not None)
-                sources.extend(regions)
-                return
-            got = get_all(
-                self._stub(lease),
-                [pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted],
-                self.rt.timeout_s,
+            pages, regions = self._locate_local(
+                conn, wanted, [into[i] for i in indexes] if into else None
             )
-            for i, page in zip(indexes, (_from_pb(p) for p in got)):
-                if page is not None and into is not None:
-                    dest = _buffer(into[i], len(page.data))
-                    dest[:] = page.data
-                    page = replace(page, data=dest)
-                out[i] = page
+            located.extend((i, p) for i, p in zip(indexes, pages) if p is not None)
+            sources.extend(regions)
 
-        self._each_home([names[i] for i in todo], get)
+        def remote(groups: list[RemoteGroup]) -> list[errors.TensorcastError | None]:
+            indexes = [todo[j] for _, ix, _ in groups for j in ix]
+            got, failures = self._get_remote(
+                [w for _, _, ws in groups for w in ws],
+                self._remote_homes(groups),
+                [into[i] for i in indexes] if into is not None else None,
+            )
+            for i, page in zip(indexes, got):
+                out[i] = page
+            return failures
+
+        self._each_home([names[i] for i in todo], local, remote, partial=True)
         for (i, _), page in zip(located, _copy_checked([p for _, p in located], sources)):
             out[i] = page
         return out
+
+    def _get_remote(
+        self,
+        wanted: list[Wanted],
+        homes: list[native.RemoteHome],
+        into: Sequence[Any] | None,
+    ) -> tuple[list[PageData | None], list[errors.TensorcastError | None]]:
+        """Pages from remote homes, straight into `into`'s buffers (or new bytearrays)."""
+        buffers = None if into is None else [_writable(b) for b in into]
+        got, failures = native.remote_get(
+            wanted,
+            homes,
+            self.rt.token,
+            into=buffers,
+            tls=self.rt.tls,
+            timeout_s=self.rt.timeout_s,
+        )
+        pages: list[PageData | None] = []
+        for j, page in enumerate(got):
+            if page is None:
+                pages.append(None)
+                continue
+            size, dtype, shape, digest, data = page
+            if buffers is not None:
+                data = buffers[j][:size]
+            pages.append(PageData(wanted[j][0], dtype, tuple(shape), data, digest))
+        return pages, failures
 
     @staticmethod
     def _get_local(
@@ -348,26 +442,39 @@ class Pages:
         return pages, sources
 
     def exists_pages(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each page is stored (pages of a home that cannot be reached count as
+        absent when other homes of the batch answered, as in get_pages)."""
         out = [False] * len(keys)
 
-        def exists(lease: ShardLease, indexes: list[int], wanted: list[Wanted]) -> None:
-            conn = self._local(lease)
-            if conn is not None:
-                flags = conn.exists(wanted)
-            else:
-                reply = self._stub(lease).call(
-                    "ExistsPages",
-                    pb.PageKeys(keys=[pb.PageKey(key=k, shard=s, token=t) for k, s, t in wanted]),
-                )
-                flags = list(reply.exists)
-            for i, flag in zip(indexes, flags):
+        def local(conn: PageConnection, indexes: list[int], wanted: list[Wanted]) -> None:
+            for i, flag in zip(indexes, conn.exists(wanted)):
                 out[i] = bool(flag)
 
-        self._each_home(list(keys), exists)
+        def remote(groups: list[RemoteGroup]) -> list[errors.TensorcastError | None]:
+            indexes = [i for _, ix, _ in groups for i in ix]
+            found, failures = native.remote_exists(
+                [w for _, _, ws in groups for w in ws],
+                self._remote_homes(groups),
+                self.rt.token,
+                tls=self.rt.tls,
+                timeout_s=self.rt.timeout_s,
+            )
+            for i, flag in zip(indexes, found):
+                out[i] = bool(flag)
+            return failures
+
+        self._each_home(list(keys), local, remote, partial=True)
         return out
 
-    def _stub(self, lease: ShardLease):
-        return self.rt.worker_stub_at(lease.holder_worker_id, lease.holder_addr)
+
+def _writable(target: Any) -> memoryview:
+    """A caller's buffer (bytearray, memoryview, CPU tensor) as writable bytes."""
+    if hasattr(target, "numpy"):
+        target = target.numpy()
+    view = memoryview(target).cast("B")
+    if view.readonly:
+        raise errors.InvalidArgument("an `into` buffer is read-only")
+    return view
 
 
 def _buffer(target: Any, size: int) -> Any:
@@ -387,11 +494,3 @@ def _copy_checked(pages: list[PageData], sources: list[memoryview]) -> list[Page
     region reused while it was copied reads as absent (None), never as other bytes."""
     hashes = native.copy_hash_many([p.data for p in pages], sources)
     return [p if h == p.hash else None for p, h in zip(pages, hashes)]
-
-
-def _from_pb(p: pb.Page) -> PageData | None:
-    if not p.key:
-        return None
-    if native.hash_buffer(p.data) != p.hash:
-        raise errors.IntegrityError(f"page {p.key!r} arrived damaged (hash mismatch)")
-    return PageData(p.key, p.dtype, tuple(p.shape), bytearray(p.data), p.hash)

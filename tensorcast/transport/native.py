@@ -157,3 +157,99 @@ def pull(
                 "certificates from one CA (TC_TLS_* or STATE_DIR/tls), or both none"
             ) from None
         raise Unavailable(f"transfer from {data_addr} failed: {e}") from None
+
+
+# -- KV pages at homes on other hosts (native/include/tensorcast/page_remote.h) ---------------
+
+REMOTE_PAGE_STREAMS: int = _native.REMOTE_PAGE_STREAMS
+# A home's share of a batch: its data port and the indexes of the batch's pages it holds.
+RemoteHome = tuple[str, int, list[int]]
+PageWanted = tuple[str, int, int]  # key, shard, token
+# A page read from a remote home: size_bytes, dtype, shape, hash, its bytes (a new bytearray, or
+# None when it went into the caller's buffer).
+RemotePage = tuple[int, str, tuple[int, ...], str, Any]
+
+
+def remote_home(data_addr: str, pages: list[int]) -> RemoteHome:
+    host, _, port = data_addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgument(f"bad data address {data_addr!r} (want HOST:PORT)")
+    return host.strip("[]"), int(port), pages
+
+
+def _home_errors(raw: list) -> list[TensorcastError | None]:
+    from tensorcast.errors import error_named
+
+    return [None if e is None else error_named(e[0], e[1]) for e in raw]
+
+
+def remote_get(
+    keys: Sequence[PageWanted],
+    homes: Sequence[RemoteHome],
+    token: str,
+    *,
+    into: Sequence[Any] | None = None,
+    tls: TLSFiles | None = None,
+    timeout_s: float = 30.0,
+    streams: int = 0,
+) -> tuple[list[RemotePage | None], list[TensorcastError | None]]:
+    """Pages from their remote homes, every home (and several connections per home for a large
+    batch) in parallel, each received straight into its `into` buffer (writable, C-contiguous)
+    or a new bytearray and checked against its hash (a mismatch reads as absent). Returns the
+    pages by key and, per home, the error that failed its share (its pages then read absent)."""
+    pages, errs = _native.remote_get(
+        list(keys),
+        list(homes),
+        None if into is None else list(into),
+        token,
+        _tls_paths(tls),
+        max(1, int(timeout_s * 1000)),
+        streams,
+    )
+    return pages, _home_errors(errs)
+
+
+def remote_exists(
+    keys: Sequence[PageWanted],
+    homes: Sequence[RemoteHome],
+    token: str,
+    *,
+    tls: TLSFiles | None = None,
+    timeout_s: float = 30.0,
+) -> tuple[list[bool], list[TensorcastError | None]]:
+    found, errs = _native.remote_exists(
+        list(keys), list(homes), token, _tls_paths(tls), max(1, int(timeout_s * 1000))
+    )
+    return found, _home_errors(errs)
+
+
+def remote_put(
+    pages: Sequence[tuple[str, int, int, str, tuple[int, ...]]],
+    sources: Sequence[Any],
+    homes: Sequence[RemoteHome],
+    token: str,
+    *,
+    ttl_s: float,
+    hashes: Sequence[str] | None = None,
+    if_absent: bool = False,
+    tls: TLSFiles | None = None,
+    timeout_s: float = 30.0,
+    streams: int = 0,
+) -> tuple[list[str], list[TensorcastError | None]]:
+    """Store pages (key, shard, token, dtype, shape) whose bytes are `sources` at their remote
+    homes, sent straight from the caller's buffers. `hashes` (else computed here) are checked by
+    the homes against the bytes they receive: a mismatch stores nothing of that request.
+    Returns every page's hash and, per home, the error that failed its share."""
+    got, errs = _native.remote_put(
+        [(k, s, t, d, list(sh)) for k, s, t, d, sh in pages],
+        list(sources),
+        list(hashes or []),
+        list(homes),
+        ttl_s,
+        if_absent,
+        token,
+        _tls_paths(tls),
+        max(1, int(timeout_s * 1000)),
+        streams,
+    )
+    return list(got), _home_errors(errs)

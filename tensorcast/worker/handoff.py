@@ -9,7 +9,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from tensorcast.errors import FencingError, IntegrityError, InvalidArgument, TensorcastError
+from tensorcast.config import send_token
+from tensorcast.errors import FencingError, InvalidArgument, TensorcastError
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import shard_table_from_pb
 from tensorcast.transport import native
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from tensorcast.worker.node import WorkerNode
 
 log = logging.getLogger("tensorcast.worker")
+HANDOFF_BATCH_BYTES = 48 * 1024 * 1024  # page bytes per request to the new home
 
 
 def hand_off(node: WorkerNode, shard: int, token: int, to: str) -> None:
@@ -70,53 +72,50 @@ def _finish(node: WorkerNode, lease: ShardLease, old_token: int) -> None:
 
 
 def _copy_pages(node: WorkerNode, pages: list, home_id: str, home_addr: str, token: int) -> int:
-    """PutPages (if absent) in batches below the gRPC message and page-count limits, each
-    with the shortest TTL left in it, so no page outlives its original expiry. A failed
+    """Put the pages (if absent) at the new home over the native data plane, sent straight from
+    this pool with the hashes they were stored under (the new home checks the bytes: a page
+    evicted and overwritten meanwhile fails its batch), in batches bounded in bytes and pages,
+    each with the shortest TTL left in it, so no page outlives its original expiry. A failed
     batch loses only its pages (the engine recomputes them). Returns the pages copied."""
-    from tensorcast.worker.page_service import MAX_REPLY_BYTES
-
-    peer = node.peer(home_id, home_addr)
-    batch: list[tuple[pb.Page, float]] = []  # page, monotonic expiry
+    try:
+        workers = node.store.call("ListWorkers", pb.Empty()).workers
+        data_addr = next(w.data_addr for w in workers if w.worker_id == home_id and w.data_addr)
+    except (TensorcastError, StopIteration):
+        log.warning("shard hand-off: %d pages not copied: %s has no data port", len(pages), home_id)
+        return 0
+    batch: list = []
     copied, size = 0, 0
 
     def flush() -> int:
-        ttl = min((expiry for _, expiry in batch), default=0.0) - time.monotonic()
+        ttl = min((p.expires_at for p in batch), default=0.0) - time.monotonic()
         if not batch or ttl <= 0:
             return 0
-        try:
-            peer.call(
-                "PutPages",
-                pb.PutPagesRequest(pages=[p for p, _ in batch], ttl_s=ttl, if_absent=True),
-                timeout_s=10.0,
+        _, failures = native.remote_put(
+            [(p.key, p.shard, token, p.dtype, p.shape) for p in batch],
+            [node.pages.pool.region(p.offset, p.size_bytes) for p in batch],
+            [native.remote_home(data_addr, list(range(len(batch))))],
+            send_token(node.token),
+            ttl_s=ttl,
+            hashes=[p.hash_hex for p in batch],
+            if_absent=True,
+            tls=node.tls,
+            timeout_s=10.0,
+        )
+        if failures[0] is not None:
+            log.warning(
+                "shard hand-off: %d pages not copied to %s: %s", len(batch), home_id, failures[0]
             )
-        except TensorcastError as e:
-            log.warning("shard hand-off: %d pages not copied to %s: %s", len(batch), home_id, e)
             return 0
         return len(batch)
 
     for page in pages:  # soonest to expire first
         if page.expires_at <= time.monotonic() + 0.1:
             continue
-        try:
-            data = node.pages.read(page)
-        except IntegrityError:
-            continue  # evicted meanwhile
-        if batch and (size + len(data) > MAX_REPLY_BYTES or len(batch) >= native.MAX_PAGE_BATCH):
+        if batch and (
+            size + page.size_bytes > HANDOFF_BATCH_BYTES or len(batch) >= native.MAX_PAGE_BATCH
+        ):
             copied += flush()
             batch, size = [], 0
-        batch.append(
-            (
-                pb.Page(
-                    key=page.key,
-                    shard=page.shard,
-                    token=token,
-                    dtype=page.dtype,
-                    shape=list(page.shape),
-                    data=data,
-                    hash=page.hash_hex,
-                ),
-                page.expires_at,
-            )
-        )
-        size += len(data)
+        batch.append(page)
+        size += page.size_bytes
     return copied + flush()

@@ -1,19 +1,25 @@
-"""KV page operations on a worker for remote callers (gRPC), and the lease rules behind them.
+"""KV page operations on a worker: the lease rules behind them, prefetches of pages homed
+elsewhere, and the gRPC page calls (kept for older callers; this project's callers use the
+native page paths).
 
 Every operation on a homed page carries its shard's fencing token, checked against this worker's
 cached lease: a stale token or a shard homed elsewhere is a FencingError, and nothing changes.
-Same-host callers go through the native page server (worker/server.py), which checks tokens
-against the lease table the LeaseCache pushes to the page index and falls back to `_check` here
-only for a token it does not hold as named.
+Same-host callers go through the native page server and callers on other hosts through the
+worker's data port (native/src/page_remote.cpp); both check tokens against the lease table the
+LeaseCache pushes to the page index and fall back to `_check` here only for a token the index
+does not hold as named.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 from tensorcast import errors
+from tensorcast.config import send_token
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.rpc.page_calls import get_all
+from tensorcast.rpc.convert import worker_from_pb
+from tensorcast.transport import native
 from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.pages import Page, PageWrite
 
@@ -38,6 +44,8 @@ class PageService:
         self.node = node
         self.store = node.pages
         self.store.index.set_lease_fallback(lambda named: self._check(set(named)))
+        self._data_addrs: dict[str, str] = {}  # other workers' data ports, by worker id
+        self._lock = threading.Lock()
 
     def _check(self, shard_tokens: set[tuple[int, int]]) -> None:
         try:
@@ -97,6 +105,9 @@ class PageService:
             return self._prefetch_once(refs, timeout_s, ttl_s)
 
     def _prefetch_once(self, refs: list[dict], timeout_s: float, ttl_s: float) -> int:
+        """Pages whose homes are elsewhere, read over the native data plane from every home at
+        once, straight into regions of this pool (hash-checked as they land), then checked
+        against the hash each ref was published with and committed as cached copies."""
         deadline = time.monotonic() + timeout_s
         table = self.node.leases.table
         if refs and table is None:
@@ -113,34 +124,67 @@ class PageService:
                 raise errors.Unavailable(f"shard {ref['shard']} has no home right now")
             if lease.holder_worker_id != self.node.worker_id:
                 by_home.setdefault(lease.holder_worker_id, []).append(ref)
-        moved = 0
+        if not by_home:
+            return 0
+        wanted: list[tuple[str, int, int]] = []
+        homes: list[native.RemoteHome] = []
+        ordered: list[dict] = []
         for home_id, group in by_home.items():
-            lease = table.lease(int(group[0]["shard"]))  # type: ignore[union-attr]
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise errors.DeadlineExceeded("prefetch of pages ran out of time")
-            pages = get_all(
-                self.node.peer(home_id, lease.holder_addr),
-                [
-                    pb.PageKey(
-                        key=r["key"],
-                        shard=int(r["shard"]),
-                        token=table.lease(int(r["shard"])).token,  # type: ignore[union-attr]
-                    )
-                    for r in group
-                ],
-                remaining,
+            homes.append(
+                native.remote_home(
+                    self._data_addr(home_id), list(range(len(wanted), len(wanted) + len(group)))
+                )
             )
-            got = []
-            for ref, page in zip(group, pages):
-                if not page.key:
+            for r in group:
+                wanted.append((r["key"], int(r["shard"]), table.lease(int(r["shard"])).token))  # type: ignore[union-attr]
+            ordered += group
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise errors.DeadlineExceeded("prefetch of pages ran out of time")
+        found, failures = self.store.index.fetch_remote(
+            wanted,
+            homes,
+            send_token(self.node.token),
+            [self.node.tls.ca, self.node.tls.cert, self.node.tls.key] if self.node.tls else [],
+            max(1, int(remaining * 1000)),
+        )
+        regions = [f[0] for f in found if f is not None]
+        try:
+            for failure in failures:
+                if failure is not None:
+                    with self._lock:
+                        self._data_addrs.clear()  # the home may be at another port now
+                    raise errors.error_named(failure[0], failure[1])
+            writes = []
+            for ref, page in zip(ordered, found):
+                if page is None:
                     raise errors.NotFound(f"page {ref['key']!r} is gone from its home")
-                if page.hash != ref.get("hash"):  # the bytes are checked against it on commit
+                offset, size, dtype, shape, digest = page
+                if digest != ref.get("hash"):
                     raise errors.IntegrityError(f"page {ref['key']!r} is not the one published")
-                got.append((_write(page, len(page.data)), page.data))
-                moved += len(page.data)
-            self.store.put(got, ttl_s, home=False)
-        return moved
+                writes.append(
+                    PageWrite(ref["key"], 0, 0, dtype, tuple(shape), offset, size, digest)
+                )
+        except BaseException:
+            self.store.free(regions)
+            raise
+        # Hashed as they landed (the native receiver checked them): no second pass.
+        self.store.commit(writes, ttl_s, home=False, check_hashes=False)
+        return sum(w.size_bytes for w in writes)
+
+    def _data_addr(self, worker_id: str) -> str:
+        """Another worker's data port (the store's worker list, fetched when one is missing)."""
+        with self._lock:
+            addr = self._data_addrs.get(worker_id)
+        if addr is None:
+            reply = self.node.store.call("ListWorkers", pb.Empty())
+            found = {w.worker_id: w.data_addr for w in map(worker_from_pb, reply.workers)}
+            with self._lock:
+                self._data_addrs.update({k: v for k, v in found.items() if v})
+            addr = found.get(worker_id)
+        if not addr:
+            raise errors.Unavailable(f"page home {worker_id} has no data port the store knows of")
+        return addr
 
 
 def _write(p: pb.Page, size: int) -> PageWrite:

@@ -94,11 +94,18 @@ class PageStore:
         self.index.free(offsets)
 
     def commit(
-        self, writes: list[PageWrite], ttl_s: float, home: bool, if_absent: bool = False
+        self,
+        writes: list[PageWrite],
+        ttl_s: float,
+        home: bool,
+        if_absent: bool = False,
+        check_hashes: bool = True,
     ) -> None:
         """Index written pages after checking them and their hashes. All or nothing: on any
         error every region of the batch is freed and the index is unchanged. With `if_absent` a
-        live home page already stored under a key stays (and the new copy is freed)."""
+        live home page already stored under a key stays (and the new copy is freed).
+        `check_hashes=False` only for regions this process hashed as it wrote them (pages
+        received by `index.fetch_remote`)."""
         self.index.commit(
             [
                 (
@@ -116,6 +123,7 @@ class PageStore:
             ttl_s,
             home,
             if_absent,
+            check_hashes,
         )
 
     def put(

@@ -59,6 +59,10 @@ METRIC_HELP = {
     "tc_kv_page_requests_total": "same-host page requests the native page server answered",
     "tc_kv_page_errors_total": "page requests answered with an error",
     "tc_kv_page_connections": "open same-host page connections",
+    "tc_kv_remote_page_requests_total": "page requests from other hosts served on the data port",
+    "tc_kv_remote_page_errors_total": "remote page requests answered with an error",
+    "tc_kv_remote_page_bytes_total": "page bytes received (put) and sent (read) on the data port",
+    "tc_kv_remote_page_connections": "open page connections from other hosts",
     "tc_gpu_tier_loads_total": "contents copied from the pool into the GPU tier",
     "tc_gpu_tier_evictions_total": "contents evicted from the GPU tier to make room",
 }
@@ -84,6 +88,7 @@ def _samples(
     disk = node.disk.content_ids() if node.disk else []
     pages = node.pages.stats()
     served = page_server.stats()
+    remote = transfers.data_server.page_stats()
     return [
         *_gpu_samples(gpu),
         ("tc_pool_bytes", {"tier": "cpu", "kind": "capacity"}, stats.capacity_bytes),
@@ -108,6 +113,11 @@ def _samples(
         ("tc_kv_page_requests_total", {}, served["requests"]),
         ("tc_kv_page_errors_total", {}, served["errors_sent"]),
         ("tc_kv_page_connections", {}, served["active_connections"]),
+        ("tc_kv_remote_page_requests_total", {}, remote.get("requests", 0)),
+        ("tc_kv_remote_page_errors_total", {}, remote.get("errors_sent", 0)),
+        ("tc_kv_remote_page_bytes_total", {"direction": "in"}, remote.get("bytes_received", 0)),
+        ("tc_kv_remote_page_bytes_total", {"direction": "out"}, remote.get("bytes_sent", 0)),
+        ("tc_kv_remote_page_connections", {}, remote.get("active_connections", 0)),
     ]
 
 
@@ -174,6 +184,8 @@ def serve(
         pool.capacity_bytes,
     )
     node.pages.server = page_server
+    # Callers on other hosts reach this worker's pages on its data port (page_remote.h).
+    data_server.serve_pages(node.pages.index, token, pool.capacity_bytes)
     metrics = MetricsServer(
         metrics_listen,
         lambda: _samples(node, transfers, page_server, gpu),

@@ -51,6 +51,24 @@ private:
     std::vector<uint8_t> records_;
 };
 
+// The tree hash of one buffer fed in pieces as it arrives (a page received from a socket):
+// same digest as tree_hash, whatever the pieces.
+class StreamTreeHasher {
+public:
+    StreamTreeHasher();
+    ~StreamTreeHasher();
+    StreamTreeHasher(const StreamTreeHasher&) = delete;
+    StreamTreeHasher& operator=(const StreamTreeHasher&) = delete;
+
+    void reset();
+    void update(const uint8_t* data, size_t size_bytes);
+    Digest finish();  // of everything given since reset(); then reset() before the next
+
+private:
+    struct State;
+    State* state_;
+};
+
 // Same digests as tree_hash on each buffer, but all chunks of all buffers share
 // one worker pool so many small buffers cost no per-buffer thread start.
 std::vector<Digest> tree_hash_many(

@@ -12,6 +12,8 @@
 
 namespace tc {
 
+class RemotePageService;
+
 constexpr uint32_t kDefaultPullStreams = 4;
 constexpr uint32_t kMaxPullStreams = 64;
 constexpr uint64_t kDefaultPullChunkBytes = 4ull << 20;
@@ -72,6 +74,10 @@ public:
     void inject_close_after_chunks(uint32_t n);
 
     DataServerStats stats() const;
+
+    // From now on, connections that speak the page protocol (their first byte is its version,
+    // page_remote.h) are served by `pages`: KV pages for callers on other hosts, on this port.
+    void serve_pages(std::shared_ptr<RemotePageService> pages);
 
     // Closes the listener and every connection and joins all threads; every
     // wait inside them is bounded by a stop signal, so this returns promptly.
