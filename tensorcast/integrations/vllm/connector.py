@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = init_logger(__name__)
+log = init_logger("vllm.tensorcast")  # under "vllm": printed with vLLM's own log lines
 
 EXTRA_KEYS = {
     *connection.CONNECTION_KEYS,

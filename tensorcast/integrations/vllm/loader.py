@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.config import ModelConfig
     from vllm.config.load import LoadConfig
 
-log = init_logger(__name__)
+log = init_logger("vllm.tensorcast")  # under "vllm": printed with vLLM's own log lines
 EXTRA_KEYS = {"artifact", *connection.CONNECTION_KEYS}
 WHERE = "model_loader_extra_config"
 
