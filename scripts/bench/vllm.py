@@ -152,11 +152,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         result = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
         out["ttft_s"] = time.perf_counter() - started
         out["first_token"] = result[0].outputs[0].token_ids[0]
-        out["external_hits"] = sum(
-            getattr(m, "value", 0)
-            for m in llm.get_metrics()
-            if m.name == "vllm:external_prefix_cache_hits"
-        )
+        metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        out["external_hits"] = metrics.get("vllm:external_prefix_cache_hits", 0)
+        out["tc_load_s"] = metrics.get("vllm:tensorcast_load_s", 0)  # the connector's copy
     return out
 
 
@@ -192,6 +190,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--quick", action="store_true", help="small models (a smoke test)")
+    parser.add_argument(
+        "--only", choices=("load", "ttft"), help="run one part (the other's figures are empty)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -239,15 +240,17 @@ def main() -> None:
         }
         ttft_kv = {"recompute": None, "tensorcast": kv_tc, "disk": kv_disk}
         # The first instance: the prompt's KV stored once through each connector.
-        for kv in (kv_tc, kv_disk):
+        load_variants = () if args.only == "ttft" else LOAD_VARIANTS
+        ttft_variants = () if args.only == "load" else TTFT_VARIANTS
+        for kv in (kv_tc, kv_disk) if ttft_variants else ():
             run_child({"model": str(ttft_dir), "kv": kv, "prompt": prompt})
         for run in range(args.runs):
-            order = LOAD_VARIANTS[run % 4 :] + LOAD_VARIANTS[: run % 4]
+            order = load_variants[run % 4 :] + load_variants[: run % 4]
             for variant in order:
                 (evict if variant.endswith("cold") else warm)(load_dir)
                 results[variant].append(run_child(load_spec(variant)))
                 print(f"run {run} {variant}: {results[variant][-1]}", file=sys.stderr)
-            order = TTFT_VARIANTS[run % 3 :] + TTFT_VARIANTS[: run % 3]
+            order = ttft_variants[run % 3 :] + ttft_variants[: run % 3]
             for variant in order:
                 spec = {"model": str(ttft_dir), "prompt": prompt, "warmup": warmup}
                 if ttft_kv[variant]:
@@ -270,11 +273,14 @@ def main() -> None:
         summary[variant] = {
             "ready_s": round(median([r["ready_s"] for r in rows]), 3),
             "weights_s": round(median([r.get("weights_s", float("nan")) for r in rows]), 3),
+            "every_ready_s": [round(r["ready_s"], 2) for r in rows],
+            "every_weights_s": [r.get("weights_s") for r in rows],
         }
     for variant in TTFT_VARIANTS:
         rows = results[variant]
         summary[variant] = {
             "ttft_s": round(median([r["ttft_s"] for r in rows]), 4),
+            "every_ttft_s": [round(r["ttft_s"], 3) for r in rows],
             "external_hits": rows[-1]["external_hits"] if rows else 0,
             "first_tokens_agree": len({r["first_token"] for r in results[variant]}) == 1,
         }
