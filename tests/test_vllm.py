@@ -55,14 +55,19 @@ def tokens(llm, prompt):
 def metric(llm, name):
     return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
 
-def stats(llm):
-    names = ("external_prefix_cache_hits", "tensorcast_loaded_blocks",
-             "tensorcast_failed_blocks", "tensorcast_saved_blocks")
-    return {n: metric(llm, "vllm:" + n) for n in names}
-
 def drain(llm):
     # One more step: finished requests' blocks are released once their saves are done.
     llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=1), use_tqdm=False)
+
+def stats(llm):
+    # Saves run on the connector's thread after generate() returns: wait for them, then one
+    # more step reports their counts (a step's metrics are those recorded before it ended).
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    get_kv_transfer_group().finish_saves()
+    drain(llm)
+    names = ("external_prefix_cache_hits", "tensorcast_loaded_blocks",
+             "tensorcast_failed_blocks", "tensorcast_saved_blocks")
+    return {n: metric(llm, "vllm:" + n) for n in names}
 
 def close(llm):
     import gc

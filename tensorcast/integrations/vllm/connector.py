@@ -505,9 +505,10 @@ class TensorCastConnector(KVConnectorBase_V1):
         if isinstance(kv_connector_metadata, TensorCastConnectorMetadata) and (
             kv_connector_metadata.preempted
         ):
-            self._wait_for_saves()
+            self.finish_saves()
 
-    def _wait_for_saves(self) -> None:
+    def finish_saves(self) -> None:
+        """Blocks until every save handed to the save thread is done (its counts recorded)."""
         with self._lock:
             pending = list(self._futures)
         for future in pending:
