@@ -19,6 +19,8 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TTL_S = 5.0
 # A content committed by a worker but not yet named by an artifact survives this long.
 DEFAULT_UNREFERENCED_GRACE_S = 120.0
+# A batch of artifacts being staged on etcd longer than this is rolled back by any store's sweep.
+DEFAULT_BATCH_TIMEOUT_S = 60.0
 DEFAULT_RPC_TIMEOUT_S = 30.0
 DEFAULT_WORKER_MEM = "1GiB"
 # gRPC messages carry metadata and chunks of bulk data for remote callers; cap them.
@@ -179,6 +181,7 @@ class Timing:
     heartbeat_ttl_s: float
     rpc_timeout_s: float
     unreferenced_grace_s: float
+    batch_timeout_s: float = DEFAULT_BATCH_TIMEOUT_S
 
 
 def timing() -> Timing:
@@ -187,6 +190,7 @@ def timing() -> Timing:
         heartbeat_ttl_s=_env_float("TC_HEARTBEAT_TTL_S", DEFAULT_HEARTBEAT_TTL_S),
         rpc_timeout_s=_env_float("TC_RPC_TIMEOUT_S", DEFAULT_RPC_TIMEOUT_S),
         unreferenced_grace_s=_env_float("TC_UNREFERENCED_GRACE_S", DEFAULT_UNREFERENCED_GRACE_S),
+        batch_timeout_s=_env_float("TC_BATCH_TIMEOUT_S", DEFAULT_BATCH_TIMEOUT_S),
     )
 
 
@@ -210,17 +214,23 @@ def host_id() -> str:
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Test hooks for the data server (never set in production): corrupt the checksum of the next
-    N chunks sent, or drop a connection after N chunks, as a dying or faulty source would."""
+    """Test hooks (never set in production). The data server: corrupt the checksum of the next
+    N chunks sent, or drop a connection after N chunks, as a dying or faulty source would. The
+    Global Store: die (exit at once, as kill -9) while writing a batch of at least N artifacts,
+    before it commits (`store_exit_in_batch`) or just after (`store_exit_after_commit`)."""
 
     corrupt_chunks: int = 0
     close_after_chunks: int = 0
+    store_exit_in_batch: int = 0
+    store_exit_after_commit: int = 0
 
 
 def fault_injection() -> FaultInjection:
     return FaultInjection(
         corrupt_chunks=int(_env_float("TC_FAULT_CORRUPT_CHUNKS", 0)),
         close_after_chunks=int(_env_float("TC_FAULT_CLOSE_AFTER_CHUNKS", 0)),
+        store_exit_in_batch=int(_env_float("TC_FAULT_STORE_EXIT_IN_BATCH", 0)),
+        store_exit_after_commit=int(_env_float("TC_FAULT_STORE_EXIT_AFTER_COMMIT", 0)),
     )
 
 

@@ -97,6 +97,12 @@ _BY_GRPC_CODE = {cls.grpc_code: cls for cls in ERROR_TABLE}
 _BY_NAME = {cls.__name__: cls for cls in ERROR_TABLE}
 
 
+def public_name(error: TensorcastError) -> str:
+    """The name to send an error by: its class's, or that of the nearest public class it
+    derives from (a private subclass such as the RPC client's Unreachable)."""
+    return next(c.__name__ for c in type(error).__mro__ if c.__name__ in _BY_NAME)
+
+
 def error_named(name: str, message: str) -> TensorcastError:
     """Rebuild an error sent by class name (local socket, attach stream, plan results, HTTP);
     an unknown name becomes a plain TensorcastError."""

@@ -138,6 +138,12 @@ class ArtifactInfo:
     expires_at: float | None = None
     parent: str = ""
     replicas: tuple[ReplicaInfo, ...] = field(default_factory=tuple)
+    # How many tensors; a summary (a listing page without tensors) carries only this.
+    num_tensors: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensors and not self.num_tensors:
+            object.__setattr__(self, "num_tensors", len(self.tensors))
 
     def to_json(self) -> dict:
         return {
@@ -145,7 +151,7 @@ class ArtifactInfo:
             "content_id": self.content_id,
             "owner": self.owner,
             "size_bytes": self.size_bytes,
-            "num_tensors": len(self.tensors),
+            "num_tensors": self.num_tensors,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "parent": self.parent or None,
@@ -154,6 +160,27 @@ class ArtifactInfo:
                 for r in self.replicas
             ],
         }
+
+    def to_wire(self) -> dict:
+        """Everything, as JSON (the same-host socket's replies); `from_wire` reads it back."""
+        return {**self.to_json(), "tensors": [t.to_json() for t in self.tensors]}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> ArtifactInfo:
+        return cls(
+            art_id=data["art_id"],
+            content_id=data["content_id"],
+            owner=data["owner"],
+            size_bytes=data["size_bytes"],
+            tensors=tuple(TensorMeta.from_json(t) for t in data["tensors"]),
+            created_at=data["created_at"],
+            expires_at=data["expires_at"],
+            parent=data["parent"] or "",
+            replicas=tuple(
+                ReplicaInfo(r["worker_id"], r["tier"], r["pinned"]) for r in data["replicas"]
+            ),
+            num_tensors=data["num_tensors"],
+        )
 
 
 @dataclass(frozen=True)

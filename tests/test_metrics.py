@@ -56,7 +56,8 @@ def test_metrics_follow_the_cluster(fresh_cluster):
     assert s['tc_store_artifacts{owner="system"}'] == 1
     assert s['tc_store_artifacts{owner="lease"}'] == 1
     assert s['tc_store_workers{state="alive"}'] == 1
-    assert s['tc_rpc_duration_seconds_bucket{method="CreateArtifact",le="+Inf"}'] == 2
+    # The two puts and the lookup: one Batch request each (the worker's, for its callers).
+    assert s['tc_rpc_duration_seconds_bucket{method="Batch",le="+Inf"}'] == 3
     status, body = _get(worker.metrics_addr, "/healthz")
     assert status == 200 and json.loads(body)["ok"]
     assert _get(worker.metrics_addr, "/nope")[0] == 404

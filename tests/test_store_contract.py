@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import itertools
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+from conftest import wait_until
 
 from tensorcast.errors import AlreadyExists, FencingError, IntegrityError, InvalidArgument, NotFound
 from tensorcast.sharding import hrw_rank, shard_of
-from tensorcast.store.base import RECONCILE_GRACE_S, WorkerRegistration
+from tensorcast.store.base import (
+    RECONCILE_GRACE_S,
+    DeleteOp,
+    GetOp,
+    NewArtifact,
+    NewReplica,
+    PutOp,
+    WorkerRegistration,
+)
 from tensorcast.store.server import open_backend
 from tensorcast.types import InstanceInfo, PlanRecord, TensorMeta
 
@@ -395,3 +405,347 @@ def test_hrw_ranking_is_stable_and_spreads_shards():
         for s in range(64)
     )
     assert {shard_of(f"kv/r/{i}", 16) for i in range(200)} == set(range(16))
+
+
+# -- batches, pages, group commit ------------------------------------------------------------------
+
+
+def _batch(store, worker_id: str, tag: str, n: int, now: float, **overrides):
+    """Put n new contents on `worker_id`, each named `{tag}/{i}`; returns the PutResult."""
+    replicas = [NewReplica(f"{tag}-c{i}", 68, _tensors(f"{tag}{i}")) for i in range(n)]
+    artifacts = [NewArtifact(f"{tag}/{i:04d}", f"{tag}-c{i}", "system") for i in range(n)]
+    for index, art in overrides.items():
+        artifacts[int(index[1:])] = art
+    return store.put_artifacts(worker_id, replicas, artifacts, now)
+
+
+def _ids(store, prefix: str, now: float) -> list[str]:
+    return [a.art_id for a in store.list_artifacts(prefix, now)]
+
+
+def test_a_batch_creates_every_artifact_or_none(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _content(store, "w1", "old", 100.0)
+    store.create_artifact("taken", "old", "system", 0, "", 100.0)
+    replicas = [NewReplica(f"c{i}", 68, _tensors(f"c{i}")) for i in range(3)]
+    artifacts = [
+        NewArtifact("b/0", "c0", "system"),
+        NewArtifact("b/1", "c1", "lease", ttl_s=5.0),
+        NewArtifact("b/2", "c2", "system", parent="b/0"),
+        NewArtifact("b/old", "old", "system"),  # a content the store knew already
+        NewArtifact("taken", "old", "system"),  # exists with this content: unchanged
+        NewArtifact("b/0", "c0", "system"),  # twice in one batch, same content
+    ]
+    before = store.counts()
+    result = store.put_artifacts("w1", replicas, artifacts, 100.5)
+    assert [(a.art_id, existed) for a, existed in result.artifacts] == [
+        ("b/0", False),
+        ("b/1", False),
+        ("b/2", False),
+        ("b/old", False),
+        ("taken", True),
+        ("b/0", True),
+    ]
+    assert result.redundant == ()
+    first = result.artifacts[0][0]
+    assert first.tensors == _tensors("c0") and [r.worker_id for r in first.replicas] == ["w1"]
+    assert result.artifacts[1][0].expires_at == pytest.approx(105.5)
+    assert result.artifacts[2][0].parent == "b/0"
+    assert store.counts() == (before[0] + 4, before[1] + 3)
+    assert _ids(store, "b/", 101.0) == ["b/0", "b/1", "b/2", "b/old"]
+    # The same batch again changes nothing: every member exists with its content.
+    again = store.put_artifacts("w1", replicas, artifacts[:4], 101.0)
+    assert all(existed for _, existed in again.artifacts)
+    assert store.counts() == (before[0] + 4, before[1] + 3)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (NewArtifact("bad id ", "n1", "system"), InvalidArgument, "batch member 1"),
+        (NewArtifact("taken", "n1", "system"), AlreadyExists, r"batch member 1 \('taken'\)"),
+        (NewArtifact("x/1", "nowhere", "system"), NotFound, "batch member 1.*nowhere"),
+        (NewArtifact("x/1", "n1", "lease"), InvalidArgument, "batch member 1.*ttl_s"),
+        (NewArtifact("x/0", "n1", "system"), InvalidArgument, "batch member 1.*twice"),
+    ],
+)
+def test_a_batch_with_one_bad_member_changes_nothing(records, bad, error, match):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _content(store, "w1", "old", 100.0)
+    store.create_artifact("taken", "old", "system", 0, "", 100.0)
+    before = (store.counts(), _ids(store, "", 100.0))
+    replicas = [NewReplica(f"n{i}", 68, _tensors(f"n{i}")) for i in range(3)]
+    artifacts = [NewArtifact("x/0", "n0", "system"), bad, NewArtifact("x/2", "n2", "system")]
+    with pytest.raises(error, match=match):
+        store.put_artifacts("w1", replicas, artifacts, 100.5)
+    assert (store.counts(), _ids(store, "", 100.5)) == before
+    assert store.find_content("n0", 100.5) is None  # not even the good members' contents
+    with pytest.raises(InvalidArgument, match="tensor name"):
+        bad_name = NewReplica("n9", 4, (TensorMeta("a\x00", "U8", (4,), 4, 0, "h"),))
+        store.put_artifacts("w1", [bad_name], [NewArtifact("y", "n9", "system")], 100.5)
+    with pytest.raises(NotFound, match="worker"):
+        store.put_artifacts("nobody", replicas[:1], [NewArtifact("y", "n0", "system")], 100.5)
+    assert (store.counts(), _ids(store, "", 100.5)) == before
+
+
+def test_a_replica_held_by_another_live_worker_is_not_recorded_twice(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _worker(store, "w2", 100.0)
+    _content(store, "w1", "c1", 100.0)
+    rep = NewReplica("c1", 68, _tensors("c1"))
+    result = store.put_artifacts("w2", [rep], [NewArtifact("a", "c1", "system")], 100.5)
+    assert result.redundant == ("c1",)  # w2 frees its copy
+    assert [r.worker_id for r in result.artifacts[0][0].replicas] == ["w1"]
+    # A worker that holds a replica already keeps it; once w1 is dead, w2's copy is needed.
+    assert store.put_artifacts("w1", [rep], [], 100.6).redundant == ()
+    store.heartbeat("w2", 0, [], 103.0)
+    result = store.put_artifacts("w2", [rep], [NewArtifact("b", "c1", "system")], 103.5)
+    assert result.redundant == ()
+    assert [r.worker_id for r in store.find_content("c1", 103.5).replicas] == ["w2"]
+    assert store.held_contents(["c1", "nope"], 103.5) == {"c1"}
+    assert store.held_contents(["c1"], 110.0) == set()  # nobody alive holds it
+
+
+def test_large_batches_are_atomic_too(records):
+    """250 artifacts: more than one etcd transaction holds (see decision 68)."""
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _content(store, "w1", "old", 100.0)
+    store.create_artifact("big/0249", "old", "system", 0, "", 100.0)  # the last member clashes
+    with pytest.raises(AlreadyExists, match="batch member 249"):
+        _batch(store, "w1", "big", 250, 100.5)
+    assert _ids(store, "big/", 100.5) == ["big/0249"]
+    store.delete_artifact("big/0249", 100.6)
+    result = _batch(store, "w1", "big", 250, 100.7)
+    assert [existed for _, existed in result.artifacts] == [False] * 250
+    ids = _ids(store, "big/", 100.8)
+    assert ids == [f"big/{i:04d}" for i in range(250)]
+    assert store.get_artifact("big/0123", 100.8).tensors == _tensors("big123")
+    assert store.counts()[0] == 250
+
+
+def test_listings_come_in_pages_of_summaries(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _batch(store, "w1", "p", 25, 100.0)
+    _batch(store, "w1", "q", 3, 100.0)
+    _content(store, "w1", "leased", 100.0)
+    store.create_artifact("p/0005x", "leased", "lease", 1.0, "", 100.0)  # expired at 101
+    pages, after = [], ""
+    while True:
+        page, after = store.list_artifact_page("p/", after, 10, 102.0)
+        pages.append([a.art_id for a in page])
+        if not after:
+            break
+    assert [len(p) for p in pages] == [10, 10, 5]
+    assert [a for p in pages for a in p] == [f"p/{i:04d}" for i in range(25)]
+    summary = store.list_artifact_page("p/", "", 1, 102.0)[0][0]
+    assert (summary.tensors, summary.num_tensors, summary.size_bytes) == ((), 2, 68)
+    assert [r.worker_id for r in summary.replicas] == ["w1"]
+    full = store.list_artifact_page("p/", "p/0003", 1, 102.0, with_tensors=True)[0][0]
+    assert (full.art_id, full.tensors, full.num_tensors) == ("p/0004", _tensors("p4"), 2)
+    assert store.list_artifact_page("p/", "p/0024", 10, 102.0) == ([], "")
+    assert store.list_artifact_page("", "", 0, 102.0)[1] == ""  # 28 < one page
+    everything = [a.art_id for a in store.list_artifact_page("", "p/0023", 3, 102.0)[0]]
+    assert everything == ["p/0024", "q/0000", "q/0001"]
+
+
+def test_delete_batches_check_every_member_first(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _batch(store, "w1", "d", 3, 100.0)
+    with pytest.raises(NotFound, match="batch member 1"):
+        store.delete_artifacts(["d/0000", "d/missing", "d/0001"], 100.5)
+    assert _ids(store, "d/", 100.5) == ["d/0000", "d/0001", "d/0002"]
+    assert store.delete_artifacts(["d/0000", "d/missing", "d/0001"], 100.5, missing_ok=True) == 2
+    assert _ids(store, "d/", 100.5) == ["d/0002"]
+    assert store.find_content("d-c0", 100.5) is None  # dropped with its last name
+    assert store.heartbeat("w1", 0, ["d-c0", "d-c2"], 100.6) == ["d-c0"]
+
+
+def test_concurrent_writers_all_land(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(10):
+                _batch(store, "w1", f"t{k}-{i}", 1, 100.0)
+                store.delete_artifact(f"t{k}-{i}/0000", 100.0) if i % 3 == 0 else None
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert len(_ids(store, "t", 100.0)) == 6 * 6
+
+
+def test_sqlite_commits_queued_writes_together(tmp_path):
+    from tensorcast.store.sqlite_store import SqliteStore
+
+    store = SqliteStore(tmp_path / "s.db", TTL, GRACE)
+    _worker(store, "w1", 100.0)
+    commits = store.commits
+    threads = [
+        threading.Thread(target=_batch, args=(store, "w1", f"g{k}", 2, 100.0)) for k in range(8)
+    ]
+    with store._lock:  # a commit in progress: writers queue up behind it
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(store._queue) == 8, 30)
+    for t in threads:
+        t.join(30)
+    assert store.commits == commits + 1  # one transaction, one fsync for all eight
+    assert len(_ids(store, "g", 100.0)) == 16
+    store.close()
+
+
+# -- etcd: staged batches -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def etcd_records(etcd_endpoint):
+    prefix = f"/contract-{next(_prefixes)}/"
+    opened = []
+
+    def open_() -> tuple:
+        records = open_backend(None, [etcd_endpoint], TTL, 4, GRACE, etcd_prefix=prefix)
+        opened.append(records[0])
+        return records
+
+    yield open_
+    for store in opened:
+        store.close()
+
+
+def test_etcd_listings_never_show_part_of_a_staged_batch(etcd_records, monkeypatch):
+    store, _ = etcd_records()
+    _worker(store, "w1", 100.0)
+    seen = []
+    stage = store._stage
+
+    def stage_then_look(*args):
+        result = stage(*args)
+        seen.append(len(_ids(store, "big/", 100.0)))
+        with pytest.raises(NotFound):
+            store.get_artifact("big/0000", 100.0)
+        return result
+
+    monkeypatch.setattr(store, "_stage", stage_then_look)
+    _batch(store, "w1", "big", 120, 100.0)
+    assert len(seen) > 2 and set(seen) == {0}  # several transactions, none of them visible
+    assert len(_ids(store, "big/", 100.0)) == 120
+
+
+def test_etcd_a_store_dying_mid_batch_leaves_none_of_it(etcd_records, monkeypatch):
+    store, _ = etcd_records()
+    _worker(store, "w1", 100.0)
+    calls = []
+    stage = store._stage
+
+    def dies_on_the_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise SystemExit("killed")  # the process dies: no rollback runs
+        return stage(*args)
+
+    monkeypatch.setattr(store, "_stage", dies_on_the_third)
+    monkeypatch.setattr(store, "_roll_back", lambda bid: None)
+    with pytest.raises(SystemExit):
+        _batch(store, "w1", "big", 120, 100.0)
+    other, _ = etcd_records()  # another store on the same records
+    assert _ids(other, "big/", 100.0) == [] and other.counts()[0] == 0
+    with pytest.raises(NotFound):
+        other.delete_artifact("big/0000", 100.0)
+    # Past its deadline the batch is rolled back by any sweep: the names are free again.
+    other.sweep(100.0 + other.batch_timeout_s + 1)
+    assert other.kv.range("batch/") == {} and other.kv.range("bm/") == {}
+    assert [e for _, e in _batch(other, "w1", "big", 120, 100.0).artifacts] == [False] * 120
+
+
+def test_etcd_a_store_dying_after_the_commit_leaves_all_of_it(etcd_records, monkeypatch):
+    store, _ = etcd_records()
+    _worker(store, "w1", 100.0)
+    monkeypatch.setattr(store, "_finalize", lambda bid: None)  # died right after committing
+    _batch(store, "w1", "big", 120, 100.0)
+    other, _ = etcd_records()
+    assert len(_ids(other, "big/", 100.0)) == 120
+    assert "batch" in other.kv.get("a/big/0007").value
+    other.sweep(100.5)  # finalizes: records lose their batch id, batch records go
+    assert "batch" not in other.kv.get("a/big/0007").value
+    assert other.kv.range("batch/") == {} and other.kv.range("bm/") == {}
+    assert len(_ids(other, "big/", 100.5)) == 120
+
+
+def test_run_batch_runs_independent_operations(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _batch(store, "w1", "old", 1, 100.0)
+    good = PutOp(
+        "w1", (NewReplica("n1", 68, _tensors("n1")),), (NewArtifact("new", "n1", "system"),)
+    )
+    bad = PutOp(
+        "w1", (NewReplica("n2", 68, _tensors("n2")),), (NewArtifact("old/0000", "n2", "system"),)
+    )
+    results = store.run_batch(
+        [
+            good,
+            GetOp("old/0000"),
+            GetOp("missing"),
+            bad,  # fails alone: the others are unaffected
+            DeleteOp(("old/0000",)),
+            DeleteOp(("missing",)),
+            DeleteOp(("missing",), missing_ok=True),
+        ],
+        100.5,
+    )
+    assert results[0].artifacts[0][0].art_id == "new" and not results[0].artifacts[0][1]
+    assert results[1].art_id == "old/0000" and results[1].tensors == _tensors("old0")
+    assert isinstance(results[2], NotFound)
+    assert isinstance(results[3], AlreadyExists)
+    assert results[4:] == [1, results[5], 0] and isinstance(results[5], NotFound)
+    assert _ids(store, "", 100.5) == ["new"]
+    assert store.find_content("n2", 100.5) is None  # the failed put recorded nothing
+
+
+def test_sqlite_runs_a_batch_in_one_transaction(tmp_path):
+    from tensorcast.store.sqlite_store import SqliteStore
+
+    store = SqliteStore(tmp_path / "s.db", TTL, GRACE)
+    _worker(store, "w1", 100.0)
+    commits = store.commits
+    ops = [
+        PutOp(
+            "w1",
+            (NewReplica(f"c{i}", 68, _tensors(f"c{i}")),),
+            (NewArtifact(f"a{i}", f"c{i}", "system"),),
+        )
+        for i in range(8)
+    ]
+    assert all(not isinstance(r, Exception) for r in store.run_batch(ops, 100.0))
+    assert store.commits == commits + 1
+    store.close()
+
+
+def test_listings_can_stop_at_a_delimiter(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    replicas = [NewReplica(f"c{i}", 68, _tensors(f"c{i}")) for i in range(5)]
+    ids = ["m@v1", "m@v1/a", "m@v1/b", "m@v2", "m@v2/a"]
+    store.put_artifacts(
+        "w1", replicas, [NewArtifact(a, f"c{i}", "system") for i, a in enumerate(ids)], 100.0
+    )
+    page, after = store.list_artifact_page("m@", "", 0, 100.0, delimiter="/")
+    assert ([a.art_id for a in page], after) == (["m@v1", "m@v2"], "")
+    page, after = store.list_artifact_page("m@", "", 1, 100.0, delimiter="/")
+    assert ([a.art_id for a in page], after) == (["m@v1"], "m@v1")
+    page, _ = store.list_artifact_page("m@", after, 1, 100.0, delimiter="/")
+    assert [a.art_id for a in page] == ["m@v2"]

@@ -1,4 +1,5 @@
-"""List artifacts (optionally those whose id starts with PREFIX)."""
+"""List artifacts (optionally those whose id starts with PREFIX), by id; --limit and --after page
+through many."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ def command(
     replicas: Annotated[
         bool, typer.Option("--replicas", help="One row per replica: worker, tier, pin.")
     ] = False,
+    limit: Annotated[
+        int,
+        typer.Option(
+            "--limit",
+            min=0,
+            help="At most this many artifacts (0: all); the JSON's next_after continues.",
+        ),
+    ] = 0,
+    after: Annotated[
+        str,
+        typer.Option("--after", help="Only ids sorting after this one (a previous next_after)."),
+    ] = "",
     state_dir: StateDirOpt = None,
     addr: AddrOpt = None,
     token: TokenOpt = None,
@@ -26,11 +39,19 @@ def command(
     from tensorcast.config import format_size
 
     with connect(state_dir, addr, token) as rt:
-        infos = rt.list_artifacts(prefix)
+        infos, next_after = rt.list_artifacts_page(prefix, after=after, limit=limit)
+        while next_after and (limit == 0 or len(infos) < limit):
+            page, next_after = rt.list_artifacts_page(
+                prefix, after=next_after, limit=limit - len(infos) if limit else 0
+            )
+            infos += page
         workers = rt.workers()
     now = time.time()
     names = {w.worker_id: w.name for w in workers}
-    data = {"artifacts": [_with_names(a.to_json(), names) for a in infos]}
+    data = {
+        "artifacts": [_with_names(a.to_json(), names) for a in infos],
+        "next_after": next_after or None,
+    }
     if replicas:
         rows = [
             [
@@ -46,14 +67,14 @@ def command(
         emit(
             as_json,
             data,
-            table(rows, ["ID", "WORKER", "TIER", "PINNED", "SIZE"]),
+            table(rows, ["ID", "WORKER", "TIER", "PINNED", "SIZE"]) + _more(next_after),
         )
         return
     rows = [
         [
             a.art_id,
             format_size(a.size_bytes),
-            str(len(a.tensors)),
+            str(a.num_tensors),
             a.owner,
             f"{a.expires_at - now:.0f}s" if a.expires_at else "-",
             str(len(a.replicas)) if a.replicas else "0 (lost)",
@@ -64,8 +85,13 @@ def command(
     emit(
         as_json,
         data,
-        table(rows, ["ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "CONTENT"]),
+        table(rows, ["ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "CONTENT"])
+        + _more(next_after),
     )
+
+
+def _more(next_after: str) -> str:
+    return f"\n(more: tc ls --after {next_after!r})" if next_after else ""
 
 
 def _with_names(artifact: dict, names: dict[str, str]) -> dict:

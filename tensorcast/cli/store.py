@@ -108,6 +108,7 @@ def start(
         num_shards=shards,
         unreferenced_grace_s=t.unreferenced_grace_s,
         etcd_prefix=etcd_prefix,
+        batch_timeout_s=t.batch_timeout_s,
     )
     serve(
         records,

@@ -37,7 +37,7 @@ class Replica(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class Artifact(_message.Message):
-    __slots__ = ("art_id", "content_id", "owner", "size_bytes", "tensors", "created_at", "expires_at", "parent", "replicas")
+    __slots__ = ("art_id", "content_id", "owner", "size_bytes", "tensors", "created_at", "expires_at", "parent", "replicas", "num_tensors")
     ART_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Artifact(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     art_id: str
     content_id: str
     owner: str
@@ -56,7 +57,8 @@ class Artifact(_message.Message):
     expires_at: float
     parent: str
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., parent: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    num_tensors: int
+    def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., parent: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., num_tensors: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
     __slots__ = ("worker_id", "name", "addr", "host_id", "local_socket", "roles", "mem_cap_bytes", "mem_used_bytes", "pid", "registered_at", "heartbeat_age_s", "alive", "data_addr", "active_transfers", "transfer_bytes_total", "disk_used_bytes", "num_replicas")
@@ -373,16 +375,132 @@ class RenewLeaseRequest(_message.Message):
     def __init__(self, art_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class ListArtifactsRequest(_message.Message):
-    __slots__ = ("prefix",)
+    __slots__ = ("prefix", "after", "limit", "summary", "delimiter")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    DELIMITER_FIELD_NUMBER: _ClassVar[int]
     prefix: str
-    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+    after: str
+    limit: int
+    summary: bool
+    delimiter: str
+    def __init__(self, prefix: _Optional[str] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ..., summary: _Optional[bool] = ..., delimiter: _Optional[str] = ...) -> None: ...
 
 class ListArtifactsReply(_message.Message):
-    __slots__ = ("artifacts",)
+    __slots__ = ("artifacts", "next_after")
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
-    def __init__(self, artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
+
+class NewReplica(_message.Message):
+    __slots__ = ("content_id", "size_bytes", "tensors")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    size_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, content_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class NewArtifact(_message.Message):
+    __slots__ = ("art_id", "content_id", "owner", "ttl_s", "parent")
+    ART_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    art_id: str
+    content_id: str
+    owner: str
+    ttl_s: float
+    parent: str
+    def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., ttl_s: _Optional[float] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class PutArtifactsRequest(_message.Message):
+    __slots__ = ("worker_id", "replicas", "artifacts")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    replicas: _containers.RepeatedCompositeFieldContainer[NewReplica]
+    artifacts: _containers.RepeatedCompositeFieldContainer[NewArtifact]
+    def __init__(self, worker_id: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[NewReplica, _Mapping]]] = ..., artifacts: _Optional[_Iterable[_Union[NewArtifact, _Mapping]]] = ...) -> None: ...
+
+class PutArtifactsReply(_message.Message):
+    __slots__ = ("artifacts", "existed", "redundant_content_ids")
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANT_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
+    existed: _containers.RepeatedScalarFieldContainer[bool]
+    redundant_content_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., existed: _Optional[_Iterable[bool]] = ..., redundant_content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteArtifactsRequest(_message.Message):
+    __slots__ = ("art_ids", "missing_ok")
+    ART_IDS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
+    art_ids: _containers.RepeatedScalarFieldContainer[str]
+    missing_ok: bool
+    def __init__(self, art_ids: _Optional[_Iterable[str]] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
+
+class DeleteArtifactsReply(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class HeldContentsRequest(_message.Message):
+    __slots__ = ("content_ids",)
+    CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    content_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeldContentsReply(_message.Message):
+    __slots__ = ("content_ids",)
+    CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    content_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StoreOp(_message.Message):
+    __slots__ = ("put", "get", "delete")
+    PUT_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    put: PutArtifactsRequest
+    get: ArtifactRequest
+    delete: DeleteArtifactsRequest
+    def __init__(self, put: _Optional[_Union[PutArtifactsRequest, _Mapping]] = ..., get: _Optional[_Union[ArtifactRequest, _Mapping]] = ..., delete: _Optional[_Union[DeleteArtifactsRequest, _Mapping]] = ...) -> None: ...
+
+class StoreOpResult(_message.Message):
+    __slots__ = ("put", "get", "delete", "error_kind", "error")
+    PUT_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    put: PutArtifactsReply
+    get: Artifact
+    delete: DeleteArtifactsReply
+    error_kind: str
+    error: str
+    def __init__(self, put: _Optional[_Union[PutArtifactsReply, _Mapping]] = ..., get: _Optional[_Union[Artifact, _Mapping]] = ..., delete: _Optional[_Union[DeleteArtifactsReply, _Mapping]] = ..., error_kind: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[StoreOp]
+    def __init__(self, ops: _Optional[_Iterable[_Union[StoreOp, _Mapping]]] = ...) -> None: ...
+
+class BatchReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StoreOpResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StoreOpResult, _Mapping]]] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
     __slots__ = ("version", "schema_version", "uptime_s", "db_path", "heartbeat_ttl_s", "num_artifacts", "num_contents", "backend_members")

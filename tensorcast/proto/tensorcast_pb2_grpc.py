@@ -94,6 +94,26 @@ class GlobalStoreStub:
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.ArtifactRequest.SerializeToString,
                 response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
                 _registered_method=True)
+        self.PutArtifacts = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/PutArtifacts',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PutArtifactsRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PutArtifactsReply.FromString,
+                _registered_method=True)
+        self.DeleteArtifacts = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/DeleteArtifacts',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.DeleteArtifactsRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.DeleteArtifactsReply.FromString,
+                _registered_method=True)
+        self.HeldContents = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/HeldContents',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.HeldContentsRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.HeldContentsReply.FromString,
+                _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/tensorcast.v1.GlobalStore/Batch',
+                request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.BatchRequest.SerializeToString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.BatchReply.FromString,
+                _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/tensorcast.v1.GlobalStore/RenewLease',
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.RenewLeaseRequest.SerializeToString,
@@ -216,6 +236,30 @@ class GlobalStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteArtifact(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutArtifacts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteArtifacts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeldContents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Batch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -344,6 +388,26 @@ def add_GlobalStoreServicer_to_server(servicer, server):
                     servicer.DeleteArtifact,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.ArtifactRequest.FromString,
                     response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+            ),
+            'PutArtifacts': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutArtifacts,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.PutArtifactsRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.PutArtifactsReply.SerializeToString,
+            ),
+            'DeleteArtifacts': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteArtifacts,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.DeleteArtifactsRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.DeleteArtifactsReply.SerializeToString,
+            ),
+            'HeldContents': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldContents,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.HeldContentsRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.HeldContentsReply.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.BatchRequest.FromString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.BatchReply.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
@@ -720,6 +784,114 @@ class GlobalStore:
             '/tensorcast.v1.GlobalStore/DeleteArtifact',
             tensorcast_dot_proto_dot_tensorcast__pb2.ArtifactRequest.SerializeToString,
             tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutArtifacts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/PutArtifacts',
+            tensorcast_dot_proto_dot_tensorcast__pb2.PutArtifactsRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.PutArtifactsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteArtifacts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/DeleteArtifacts',
+            tensorcast_dot_proto_dot_tensorcast__pb2.DeleteArtifactsRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.DeleteArtifactsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldContents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/HeldContents',
+            tensorcast_dot_proto_dot_tensorcast__pb2.HeldContentsRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.HeldContentsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorcast.v1.GlobalStore/Batch',
+            tensorcast_dot_proto_dot_tensorcast__pb2.BatchRequest.SerializeToString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.BatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,17 +45,18 @@ def replica_from_pb(m: pb.Replica) -> ReplicaInfo:
     return ReplicaInfo(m.worker_id, m.tier, m.pinned)
 
 
-def artifact_to_pb(a: ArtifactInfo) -> pb.Artifact:
+def artifact_to_pb(a: ArtifactInfo, with_tensors: bool = True) -> pb.Artifact:
     return pb.Artifact(
         art_id=a.art_id,
         content_id=a.content_id,
         owner=a.owner,
         size_bytes=a.size_bytes,
-        tensors=[tensor_to_pb(t) for t in a.tensors],
+        tensors=[tensor_to_pb(t) for t in a.tensors] if with_tensors else [],
         created_at=a.created_at,
         expires_at=a.expires_at or 0.0,
         parent=a.parent,
         replicas=[replica_to_pb(r) for r in a.replicas],
+        num_tensors=a.num_tensors,
     )
 
 
@@ -70,6 +71,7 @@ def artifact_from_pb(m: pb.Artifact) -> ArtifactInfo:
         expires_at=m.expires_at or None,
         parent=m.parent,
         replicas=tuple(replica_from_pb(r) for r in m.replicas),
+        num_tensors=m.num_tensors,
     )
 
 

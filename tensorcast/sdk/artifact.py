@@ -19,9 +19,10 @@ SliceLike = slice | int | Sequence[slice]
 
 
 class Artifact:
-    def __init__(self, runtime: Runtime, info: ArtifactInfo) -> None:
+    def __init__(self, runtime: Runtime, info: ArtifactInfo, fresh: bool = False) -> None:
         self.runtime = runtime
         self.info = info
+        self._fresh = fresh  # `info` was just read from the store: the first read trusts it
 
     def __repr__(self) -> str:
         return (
@@ -91,8 +92,10 @@ class Artifact:
 
             if on_device.is_cuda(device):
                 return on_device.materialize(self, device, timeout_s, shared)
-        info = self.refresh().info
-        workers = self.runtime.workers()  # one listing serves both decisions below
+        info = self.info if self._fresh else self.refresh().info
+        self._fresh = False
+        # One listing serves both decisions below (cached briefly: reads are frequent).
+        workers = self.runtime.cached_workers({r.worker_id for r in info.replicas})
         sources = self.runtime.read_sources(info, workers)
         local = [w for w in workers if w.alive and self.runtime.is_local(w)]
         if local and not self.runtime.is_local(sources[0]):

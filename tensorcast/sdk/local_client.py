@@ -25,6 +25,8 @@ class LocalConnection:
     def __init__(self, socket_name: str, token: str, timeout_s: float) -> None:
         self.sock = unix.connect(socket_name, timeout_s)
         self._lock = threading.Lock()
+        self.round_trips = 0  # requests sent (a put costs one: tests count them)
+        self.broken = False  # the socket failed: the worker is gone or restarting
         try:
             reply, fds = self._roundtrip({"op": "hello", "token": token})
         except BaseException:
@@ -46,21 +48,33 @@ class LocalConnection:
         self._closed = False
         threading.Thread(target=self._release_loop, name="tc-release", daemon=True).start()
 
-    def _roundtrip(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _roundtrip(
+        self, message: dict[str, Any], blob: bytes | bytearray | memoryview | None = None
+    ) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
             if getattr(self, "_closed", False):
                 raise errors.Unavailable("local worker connection is closed")
+            self.round_trips += 1
             try:
-                unix.send_message(self.sock, message)
+                unix.send_message(self.sock, message, blob=blob)
                 reply, fds = unix.recv_message(self.sock)
             except (OSError, ConnectionError) as e:
+                self.broken = True
                 raise errors.Unavailable(f"local worker connection failed: {e}") from None
         if not reply.get("ok"):
             raise errors.error_named(str(reply.get("error")), reply.get("message", "worker error"))
         return reply, fds
 
-    def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self._roundtrip(message)[0]
+    @property
+    def busy(self) -> bool:
+        """Another thread's request is in flight on this connection right now."""
+        return self._lock.locked()
+
+    def request(
+        self, message: dict[str, Any], blob: bytes | bytearray | memoryview | None = None
+    ) -> dict[str, Any]:
+        """One round trip; `blob` rides along as raw bytes (see transport/unix.py)."""
+        return self._roundtrip(message, blob)[0]
 
     def map(self, offset: int, size_bytes: int, writable: bool) -> tuple[mmap.mmap, int]:
         """Map [offset, offset+size) of the pool; returns the map and where the region starts in it.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from tensorcast.rpc.convert import (
 )
 from tensorcast.sdk.cluster_file import ClusterRecord, read_token
 from tensorcast.sdk.local_client import LocalConnection
+from tensorcast.store.base import MAX_PAGE
 from tensorcast.types import (
     OWNER_LEASE,
     OWNER_SYSTEM,
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
     from tensorcast.sdk.signals import Signals
 
 Progress = Callable[[int], None]  # called with bytes just moved
-# Writes of one put whose content another caller's delete freed before it was named.
-NAME_ATTEMPTS = 4
+# Hot paths (puts, reads) reuse the worker list this long; a failure lists the workers again.
+WORKERS_CACHE_S = 2.0
 
 
 def connect(
@@ -105,6 +106,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._signals: Signals | None = None
         self._pages: Pages | None = None
+        self._workers_cache: tuple[float, list[WorkerInfo]] | None = None
 
     # -- cluster -------------------------------------------------------------------------------
 
@@ -112,7 +114,26 @@ class Runtime:
         return self.store.call("Status", pb.Empty())
 
     def workers(self) -> list[WorkerInfo]:
-        return [worker_from_pb(w) for w in self.store.call("ListWorkers", pb.Empty()).workers]
+        workers = [worker_from_pb(w) for w in self.store.call("ListWorkers", pb.Empty()).workers]
+        with self._lock:
+            self._workers_cache = (time.monotonic(), workers)
+        return workers
+
+    def cached_workers(self, require: Collection[str] = ()) -> list[WorkerInfo]:
+        """The worker list, reused for WORKERS_CACHE_S (puts and reads need it on every call);
+        listed again when it is older, or lacks a worker id in `require`."""
+        with self._lock:
+            cached = self._workers_cache
+        if cached is not None and time.monotonic() - cached[0] < WORKERS_CACHE_S:
+            known = {w.worker_id for w in cached[1]}
+            if all(r in known for r in require):
+                return cached[1]
+        return self.workers()
+
+    def forget_workers(self) -> None:
+        """Drop the cached worker list (a worker we knew was not there)."""
+        with self._lock:
+            self._workers_cache = None
 
     def worker_stub(self, worker: WorkerInfo) -> Stub:
         return self.worker_stub_at(worker.worker_id, worker.addr, worker.name)
@@ -247,6 +268,31 @@ class Runtime:
             raise InvalidArgument("ttl_s must be > 0")
         return self._store_tensors(tensors, art_id, OWNER_LEASE, ttl_s, worker, progress)
 
+    def put_many(
+        self,
+        items: Mapping[str, Mapping[str, torch.Tensor]],
+        *,
+        worker: str | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Artifact]:
+        """Put several system-owned artifacts ({art_id: {name: tensor}}) at once: all of them
+        or none (one Global Store transaction; a bad member changes nothing, and the error
+        names it). Same-host contents move in one or two round trips to the worker."""
+        return self._store_many(items, OWNER_SYSTEM, 0.0, worker, progress)
+
+    def register_many(
+        self,
+        items: Mapping[str, Mapping[str, torch.Tensor]],
+        *,
+        ttl_s: float,
+        worker: str | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, Artifact]:
+        """Caller-leased `put_many`: every artifact gone `ttl_s` after creation unless renewed."""
+        if not ttl_s > 0:
+            raise InvalidArgument("ttl_s must be > 0")
+        return self._store_many(items, OWNER_LEASE, ttl_s, worker, progress)
+
     def _store_tensors(
         self,
         tensors: Mapping[str, torch.Tensor],
@@ -256,27 +302,26 @@ class Runtime:
         worker: str | None,
         progress: Progress | None,
     ) -> Artifact:
-        from tensorcast import tensors as tmod
-        from tensorcast.identity import content_id
-        from tensorcast.sdk import writes
-        from tensorcast.transport import native
-        from tensorcast.types import pack_layout
+        return self._store_many({art_id: tensors}, owner, ttl_s, worker, progress)[art_id]
 
-        items = tmod.check_tensors(tensors)
-        metas, size = pack_layout([(n, tmod.dtype_name(t.dtype), tuple(t.shape)) for n, t in items])
-        sources = [tmod.tensor_bytes(t) for _, t in items]
-        # Hash first: content the cluster already holds moves no bytes. The worker re-hashes what
-        # it receives and rejects a mismatch, so the copy is checked end to end.
-        hashes = native.hash_buffers(sources)
-        metas = [replace(m, hash_hex=h) for m, h in zip(metas, hashes)]
-        filler = writes.buffer_filler(metas, sources)
-        return self._write_and_name(
-            art_id,
-            owner,
-            ttl_s,
-            lambda: writes.write_content(self, metas, size, filler, progress, worker).content_id,
-            known=content_id(metas),
-        )
+    def _store_many(
+        self,
+        items: Mapping[str, Mapping[str, torch.Tensor]],
+        owner: str,
+        ttl_s: float,
+        worker: str | None,
+        progress: Progress | None,
+    ) -> dict[str, Artifact]:
+        from tensorcast.sdk import batch
+        from tensorcast.sdk.artifact import Artifact
+
+        if not isinstance(items, Mapping):
+            raise InvalidArgument("put_many takes a mapping of art_id -> {name: tensor}")
+        # Hash first: content the cluster already holds moves no bytes. The worker re-hashes
+        # what it receives and rejects a mismatch, so the copy is checked end to end.
+        specs = batch.tensor_specs(list(items.items()), owner, ttl_s)
+        infos = batch.put_batch(self, specs, worker, progress)
+        return {info.art_id: Artifact(self, info, fresh=True) for info in infos}
 
     def put_files(
         self,
@@ -300,22 +345,32 @@ class Runtime:
         map that copy (warm). The files must stay unchanged; a changed file is refused on read.
         """
         from tensorcast import model_dir
-        from tensorcast.sdk import put_cache, writes
+        from tensorcast.sdk import batch, put_cache, writes
+        from tensorcast.sdk.artifact import Artifact
 
         owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
         if by_reference:
             return self._put_reference(art_id, path, owner, ttl_s or 0.0, worker)
         files = model_dir.scan(path)
         key = put_cache.fingerprint(files.fingerprint_paths())
-
-        def write() -> str:  # reads the files: only when the cluster lacks the content
-            metas, size, filler = writes.plan_files(files)
-            committed = writes.write_content(self, metas, size, filler, progress, worker)
-            put_cache.record(key, committed.content_id)
-            return committed.content_id
-
         known = put_cache.lookup(key) if worker is None else None
-        return self._write_and_name(art_id, owner, ttl_s or 0.0, write, known)
+        if known is not None and self.held_contents([known]):
+            try:  # the cluster holds these files' content: name it, read nothing
+                return self._name(art_id, known, owner, ttl_s or 0.0, "")
+            except NotFound:
+                pass  # freed since: read the files after all
+        metas, size, filler = writes.plan_files(files)  # reads the files when filled
+        spec = batch.Spec(
+            art_id,
+            owner,
+            ttl_s or 0.0,
+            metas,
+            size,
+            filler,
+            on_written=lambda content_id: put_cache.record(key, content_id),
+        )
+        (info,) = batch.put_batch(self, [spec], worker, progress)
+        return Artifact(self, info, fresh=True)
 
     def _put_reference(
         self,
@@ -336,26 +391,12 @@ class Runtime:
         )
         return self._name(art_id, reply["content_id"], owner, ttl_s, "")
 
-    def _write_and_name(
-        self, art_id: str, owner: str, ttl_s: float, write: Callable[[], str], known: str | None
-    ) -> Artifact:
-        """Name content, writing it first (`write` returns its id) unless the cluster already
-        holds `known`. The content can vanish between that check (or the write) and the naming,
-        when another caller deletes the last artifact naming it: then write it again, a bounded
-        number of times, rather than fail with an error the caller cannot act on."""
-        for attempt in range(NAME_ATTEMPTS):
-            if attempt or known is None or not self._held(known):
-                known = write()
-            try:
-                return self._name(art_id, known, owner, ttl_s, "")
-            except NotFound:
-                if attempt == NAME_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _held(self, content_id: str) -> bool:
-        found = self.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
-        return found.exists and bool(found.replicas)
+    def held_contents(self, content_ids: list[str]) -> set[str]:
+        """Those of `content_ids` a live worker holds (one Global Store request)."""
+        reply = self.store.call(
+            "HeldContents", pb.HeldContentsRequest(content_ids=list(content_ids))
+        )
+        return set(reply.content_ids)
 
     def _name(
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str
@@ -373,32 +414,111 @@ class Runtime:
     def artifact(self, art_id: str) -> Artifact:
         from tensorcast.sdk.artifact import Artifact
 
-        return Artifact(self, self.info(art_id))
+        return Artifact(self, self.info(art_id), fresh=True)
 
     def info(self, art_id: str) -> ArtifactInfo:
+        gateway = self._gateway()
+        if gateway is not None:
+            try:
+                reply = gateway.request({"op": "info", "art_id": art_id})
+                return ArtifactInfo.from_wire(reply["artifact"])
+            except Unavailable:
+                pass  # the worker, or its way to the store, is down: ask the store ourselves
         return artifact_from_pb(self.store.call("GetArtifact", pb.ArtifactRequest(art_id=art_id)))
 
+    def _gateway(self) -> LocalConnection | None:
+        """A same-host worker this caller already talks to: its lookups and deletes go through
+        it (one local round trip, then the worker's coalesced store request), so that many
+        callers on a host share store requests. None: ask the store directly (also when another
+        thread of this caller is using the connection: threads do not queue behind each
+        other)."""
+        with self._lock:
+            for worker_id, conn in list(self._local.items()):
+                if conn.broken:
+                    del self._local[worker_id]  # gone: a later write connects again
+                elif not conn.busy:
+                    return conn
+        return None
+
     def list_artifacts(self, prefix: str = "") -> list[ArtifactInfo]:
-        reply = self.store.call("ListArtifacts", pb.ListArtifactsRequest(prefix=prefix))
-        return [artifact_from_pb(a) for a in reply.artifacts]
+        """Every live artifact whose id starts with `prefix`, by id, with its tensors (fetched
+        a page at a time; `list_artifacts_page` for summaries and paging)."""
+        infos, after = self.list_artifacts_page(prefix, summary=False)
+        while after:
+            page, after = self.list_artifacts_page(prefix, after=after, summary=False)
+            infos += page
+        return infos
+
+    def list_artifacts_page(
+        self,
+        prefix: str = "",
+        *,
+        after: str = "",
+        limit: int = 0,
+        summary: bool = True,
+        delimiter: str = "",
+    ) -> tuple[list[ArtifactInfo], str]:
+        """One page of artifacts whose id starts with `prefix`, by id, after `after`: at most
+        `limit` (0: the store's page, 1000). Returns the page and the `after` of the next one
+        ("" when this is the last). With `summary` the tensors are left out (`num_tensors`
+        says how many): what listings of thousands of artifacts need. With a `delimiter`, only
+        ids whose part after `prefix` does not contain it (one level of a hierarchy)."""
+        if limit < 0:
+            raise InvalidArgument("limit must be >= 0")
+        reply = self.store.call(
+            "ListArtifacts",
+            pb.ListArtifactsRequest(
+                prefix=prefix,
+                after=after,
+                limit=limit or MAX_PAGE,
+                summary=summary,
+                delimiter=delimiter,
+            ),
+        )
+        return [artifact_from_pb(a) for a in reply.artifacts], reply.next_after
 
     def delete(self, art_id: str) -> None:
         """Forget `art_id`; its memory is freed once no artifact shares the content and no caller
         still maps it (tensors already materialized stay valid)."""
-        self.store.call("DeleteArtifact", pb.ArtifactRequest(art_id=art_id))
+        self.delete_many([art_id])
+
+    def delete_many(self, art_ids: list[str], *, missing_ok: bool = False) -> int:
+        """Delete several artifacts with one Global Store request, in order; returns how many
+        existed. Without `missing_ok`, one that does not exist is NotFound (naming it) and
+        nothing is deleted."""
+        if not art_ids:
+            return 0
+        gateway = self._gateway()
+        if gateway is not None:
+            try:
+                message = {"op": "delete", "art_ids": list(art_ids), "missing_ok": missing_ok}
+                return int(gateway.request(message)["deleted"])
+            except Unavailable:
+                pass  # the worker, or its way to the store, is down: ask the store ourselves
+        if len(art_ids) == 1 and not missing_ok:
+            self.store.call("DeleteArtifact", pb.ArtifactRequest(art_id=art_ids[0]))
+            return 1
+        reply = self.store.call(
+            "DeleteArtifacts",
+            pb.DeleteArtifactsRequest(art_ids=list(art_ids), missing_ok=missing_ok),
+            timeout_s=max(self.timeout_s, 0.005 * len(art_ids)),
+        )
+        return reply.deleted
 
     def delete_lost(self, prefix: str = "", *, dry_run: bool = False) -> list[str]:
         """Delete the artifacts (ids starting with `prefix`) that no live worker holds a copy
         of: their bytes are gone (every worker that held them died or stopped without a disk
         tier). Returns their ids; `dry_run` only lists them. A worker that is restarting and
         has not reported yet makes its artifacts look lost: run this once the cluster is up."""
-        lost = [a.art_id for a in self.list_artifacts(prefix) if not a.replicas]
+        lost: list[str] = []
+        page, after = self.list_artifacts_page(prefix)
+        while True:
+            lost += [a.art_id for a in page if not a.replicas]
+            if not after:
+                break
+            page, after = self.list_artifacts_page(prefix, after=after)
         if not dry_run:
-            for art_id in lost:
-                try:
-                    self.delete(art_id)
-                except NotFound:
-                    pass  # deleted meanwhile
+            self.delete_many(lost, missing_ok=True)  # deleted meanwhile: fine
         return lost
 
     def renew(self, art_id: str, ttl_s: float) -> ArtifactInfo:
@@ -417,6 +537,15 @@ class Runtime:
         if not targets:
             raise Unavailable("no live worker in the cluster: start one (tc worker start / tc up)")
         return targets
+
+    def cached_write_targets(self, worker: str | None = None) -> list[WorkerInfo]:
+        """`write_targets` from the cached worker list (listed again when it cannot answer)."""
+        workers = self.cached_workers()
+        if worker is not None:
+            named = [w for w in workers if worker in (w.name, w.worker_id) and w.alive]
+            return named or [self.resolve_worker(worker)]
+        targets = order_targets(workers, self.host_id)
+        return targets or self.write_targets()
 
     def read_sources(
         self, info: ArtifactInfo, workers: list[WorkerInfo] | None = None

@@ -3,9 +3,10 @@ workers bring live models to a version moving only the tensors whose content cha
 
 Layout: every tensor of a version is its own artifact `weights/MODEL@VERSION/NAME` (content that
 did not change is stored once, so publishing an unchanged tensor moves no bytes); the version's
-manifest `weights/MODEL@VERSION` lists them with their hashes and is written LAST, so a subscriber
-that finds a manifest finds a complete version. Versions are immutable; `keep_last` bounds how many
-are kept.
+manifest `weights/MODEL@VERSION` lists them with their hashes. A version's tensors and manifest are
+created in ONE Global Store transaction (`Runtime.put_many`'s batch), so a subscriber that finds a
+manifest finds a complete version, and a failed publish leaves nothing. Versions are immutable;
+`keep_last` bounds how many are kept.
 """
 
 from __future__ import annotations
@@ -50,14 +51,18 @@ class VersionInfo:
 
 
 def _manifests(rt: Runtime, model: str) -> list[str]:
-    """Version names of `model`, oldest first (by when the store recorded each manifest)."""
+    """Version names of `model`, oldest first (by when the store recorded each manifest): one
+    listing of the manifests alone (not their tensors), a page at a time."""
     _check_name("model", model)
-    manifests = [
-        a
-        for a in rt.list_artifacts(f"{PREFIX}{model}@")
-        if "/" not in a.art_id[len(PREFIX) :]  # not a tensor of a version
-    ]
-    return [a.art_id.rpartition("@")[2] for a in sorted(manifests, key=lambda a: a.created_at)]
+    prefix = f"{PREFIX}{model}@"
+    manifests = []
+    page, after = rt.list_artifacts_page(prefix, delimiter="/")
+    while True:
+        manifests += page
+        if not after:
+            break
+        page, after = rt.list_artifacts_page(prefix, after=after, delimiter="/")
+    return [a.art_id[len(prefix) :] for a in sorted(manifests, key=lambda a: a.created_at)]
 
 
 def list_versions(rt: Runtime, model: str) -> list[VersionInfo]:
@@ -90,17 +95,22 @@ class WeightPublisher:
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: str) -> VersionInfo:
         """Publish `state_dict` as `version` (immutable: AlreadyExists if it holds other weights),
-        then delete versions older than the newest `keep_last`."""
+        then delete versions older than the newest `keep_last`. The version's tensors and its
+        manifest are created in one Global Store transaction: all of them or none."""
         import torch
 
+        from tensorcast.sdk import batch
+        from tensorcast.types import OWNER_SYSTEM
+
         _check_name("version", version)
+        base = manifest_id(self.model, version)
+        items = [(f"{base}/{name}", {name: tensor}) for name, tensor in state_dict.items()]
+        specs = batch.tensor_specs(items, OWNER_SYSTEM, 0.0)
         tensors = {}
-        for name, tensor in state_dict.items():
-            art_id = f"{manifest_id(self.model, version)}/{name}"
-            art = self.rt.put({name: tensor}, art_id)
-            meta = art.info.tensors[0]
+        for (name, _), spec in zip(state_dict.items(), specs):
+            meta = spec.metas[0]
             tensors[name] = {
-                "art_id": art_id,
+                "art_id": spec.art_id,
                 "hash": meta.hash_hex,
                 "dtype": meta.dtype,
                 "shape": list(meta.shape),
@@ -115,22 +125,30 @@ class WeightPublisher:
         }
         raw = json.dumps(manifest, sort_keys=True).encode()
         blob = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        self.rt.put({FILE_PREFIX + MANIFEST_FILE: blob}, manifest_id(self.model, version))
+        specs += batch.tensor_specs(
+            [(base, {FILE_PREFIX + MANIFEST_FILE: blob})], OWNER_SYSTEM, 0.0
+        )
+        batch.put_batch(self.rt, specs, None)
         self.collect()
         return VersionInfo(self.model, version, published_at, tensors)
 
     def collect(self) -> list[str]:
-        """Delete all but the newest `keep_last` versions; returns the deleted versions."""
-        versions = list_versions(self.rt, self.model)
-        doomed = versions[: max(0, len(versions) - self.keep_last)]
-        for v in doomed:
-            self.rt.delete(manifest_id(self.model, v.version))  # first: never half-visible
-            for entry in v.tensors.values():
-                try:
-                    self.rt.delete(entry["art_id"])
-                except NotFound:
-                    pass
-        return [v.version for v in doomed]
+        """Delete all but the newest `keep_last` versions; returns the deleted versions. One
+        listing, a read of each doomed manifest and one delete request, manifests first (a
+        version is never half-visible)."""
+        names = _manifests(self.rt, self.model)
+        doomed = names[: max(0, len(names) - self.keep_last)]
+        manifests = [manifest_id(self.model, v) for v in doomed]
+        tensors = []
+        for version in doomed:
+            try:
+                info = read_version(self.rt, self.model, version)
+            except NotFound:
+                continue  # collected meanwhile (another publisher)
+            tensors += [entry["art_id"] for entry in info.tensors.values()]
+        if manifests:
+            self.rt.delete_many(manifests + tensors, missing_ok=True)
+        return doomed
 
 
 @dataclass(frozen=True)

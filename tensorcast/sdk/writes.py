@@ -1,9 +1,8 @@
-"""Writing new content into the pool: choose a worker, fill a region, commit.
+"""Producing a content's bytes (fillers: tensors or files) and streaming them to a worker on
+another host. Which worker, and how a batch is named, is `sdk/batch.py`'s.
 
-Same host: reserve a region over the local socket, map it, fill it in place (memcpy or parallel
-file reads), commit. Other hosts: fill a local buffer, then stream it with per-chunk checksums and
-per-tensor hash claims that the worker verifies. Any failure aborts the reservation: nothing is
-half-written.
+Other hosts: fill a local buffer, then stream it with per-chunk checksums and per-tensor hash
+claims that the worker verifies. Any failure aborts the write: nothing is half-written.
 """
 
 from __future__ import annotations
@@ -12,13 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import STREAM_CHUNK_BYTES
-from tensorcast.errors import ResourceExhausted
 from tensorcast.model_dir import ModelFiles, layout
 from tensorcast.transport import native
 from tensorcast.types import Committed, TensorMeta
 
 if TYPE_CHECKING:
-    from tensorcast.sdk.runtime import Progress, Runtime
+    from tensorcast.sdk.runtime import Progress
 
 # fill(dest, base_offset, progress): write the content's bytes into dest[base_offset:].
 Filler = Callable[[Any, int, "Progress | None"], None]
@@ -53,58 +51,8 @@ def plan_files(files: ModelFiles) -> tuple[list[TensorMeta], int, Filler]:
     return list(plan.tensors), plan.size_bytes, fill
 
 
-def write_content(
-    runtime: Runtime,
-    metas: list[TensorMeta],
-    size_bytes: int,
-    fill: Filler,
-    progress: Progress | None,
-    worker_name: str | None = None,
-) -> Committed:
-    last_error: Exception | None = None
-    for worker in runtime.write_targets(worker_name):
-        try:
-            if runtime.is_local(worker):
-                return _write_local(runtime, worker, metas, size_bytes, fill, progress)
-            return _write_remote(runtime, worker, metas, size_bytes, fill, progress)
-        except ResourceExhausted as e:
-            last_error = e  # this worker is full: try the next one
-    assert last_error is not None
-    raise last_error
-
-
-def _write_local(runtime, worker, metas, size_bytes, fill, progress) -> Committed:
-    conn = runtime.local_connection(worker)
-    res = conn.request({"op": "reserve", "size_bytes": size_bytes})
-    try:
-        mm, base = conn.map(res["offset"], size_bytes, writable=True)
-        try:
-            fill(mm, base, progress)
-        finally:
-            mm.close()
-        reply = conn.request(
-            {
-                "op": "commit",
-                "verify": all(t.hash_hex for t in metas),
-                "reservation_id": res["reservation_id"],
-                "tensors": [t.to_json() for t in metas],
-            }
-        )
-    except BaseException:
-        try:
-            conn.request({"op": "abort", "reservation_id": res["reservation_id"]})
-        except Exception:
-            pass  # the connection is gone: the worker aborted it already
-        raise
-    return Committed(
-        reply["content_id"],
-        reply["size_bytes"],
-        tuple(TensorMeta.from_json(t) for t in reply["tensors"]),
-        reply["deduplicated"],
-    )
-
-
-def _write_remote(runtime, worker, metas, size_bytes, fill, progress) -> Committed:
+def write_remote(runtime, worker, metas, size_bytes, fill, progress) -> Committed:
+    """Stream a content to a worker on another host; it verifies and registers it."""
     from tensorcast.rpc.convert import tensors_from_pb
 
     staging = bytearray(size_bytes)

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, TensorcastError
 from tensorcast.types import (
+    OWNER_LEASE,
+    OWNER_SYSTEM,
     ArtifactInfo,
     InstanceInfo,
     PlanRecord,
@@ -19,6 +21,7 @@ from tensorcast.types import (
     ShardTable,
     TensorMeta,
     WorkerInfo,
+    check_tensor_name,
 )
 
 # A heartbeat's inventory was taken before it was sent: replica rows newer than this are kept
@@ -30,6 +33,10 @@ MAX_ID_LENGTH = 512
 DEFAULT_NUM_SHARDS = 16
 MAX_SHARDS = 4096
 MAX_PLANS_LISTED = 1000
+# One ListArtifacts page holds at most this many artifacts (callers page with `after`).
+MAX_PAGE = 1000
+# One PutArtifacts / DeleteArtifacts batch holds at most this many artifacts.
+MAX_BATCH = 10_000
 # Finished plan records are kept this long (the idempotency window).
 PLAN_RETENTION_S = 24 * 3600.0
 SHARD_HOME_ROLE = "shard-home"
@@ -87,6 +94,132 @@ class WorkerRegistration:
 
 
 @dataclass(frozen=True)
+class NewReplica:
+    """A content a worker has just committed to its pool, to be recorded with a batch."""
+
+    content_id: str
+    size_bytes: int
+    tensors: tuple[TensorMeta, ...]
+
+
+@dataclass(frozen=True)
+class NewArtifact:
+    """An artifact to create: `content_id` is a `NewReplica` of the same batch or a content the
+    store knows already."""
+
+    art_id: str
+    content_id: str
+    owner: str
+    ttl_s: float = 0.0
+    parent: str = ""
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What `put_artifacts` did: each artifact in request order with whether it existed already
+    (same id, same content: nothing changed), and the contents whose replica on this worker was
+    not recorded because another live worker holds them (the worker frees its copy)."""
+
+    artifacts: tuple[tuple[ArtifactInfo, bool], ...]
+    redundant: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PutOp:
+    """`put_artifacts` as one operation of a `run_batch`."""
+
+    worker_id: str
+    replicas: tuple[NewReplica, ...]
+    artifacts: tuple[NewArtifact, ...]
+
+
+@dataclass(frozen=True)
+class GetOp:
+    """`get_artifact` as one operation of a `run_batch`."""
+
+    art_id: str
+
+
+@dataclass(frozen=True)
+class DeleteOp:
+    """`delete_artifacts` as one operation of a `run_batch`."""
+
+    art_ids: tuple[str, ...]
+    missing_ok: bool = False
+
+
+StoreOp = PutOp | GetOp | DeleteOp
+# What an operation gave: PutResult, ArtifactInfo, a count of deleted artifacts, or its error.
+OpResult = PutResult | ArtifactInfo | int | TensorcastError
+
+
+def run_each(store: MetadataStore, ops: list[StoreOp], now: float) -> list[OpResult]:
+    """`run_batch` for a backend without group commit: one operation after the other."""
+    results: list[OpResult] = []
+    for op in ops:
+        try:
+            if isinstance(op, PutOp):
+                results.append(
+                    store.put_artifacts(op.worker_id, list(op.replicas), list(op.artifacts), now)
+                )
+            elif isinstance(op, GetOp):
+                results.append(store.get_artifact(op.art_id, now))
+            else:
+                results.append(store.delete_artifacts(list(op.art_ids), now, op.missing_ok))
+        except TensorcastError as e:
+            results.append(e)
+    return results
+
+
+def member(index: int, art_id: str, size: int = 2) -> str:
+    """How an error names the member of a batch of `size` it is about (one of one: the
+    artifact)."""
+    return f"batch member {index} ({art_id!r})" if size > 1 else f"artifact {art_id!r}"
+
+
+def check_batch(replicas: list[NewReplica], artifacts: list[NewArtifact]) -> dict[str, NewReplica]:
+    """Everything about a batch that needs no records: ids, owners, leases, tensor names, one
+    content per id. Raises InvalidArgument naming the first bad member; returns the replicas by
+    content id."""
+    if len(artifacts) > MAX_BATCH or len(replicas) > MAX_BATCH:
+        raise InvalidArgument(f"a batch holds at most {MAX_BATCH} artifacts; split it")
+    by_content = {}
+    for r in replicas:
+        for t in r.tensors:
+            try:
+                check_tensor_name(t.name)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"content {r.content_id}: {e}") from None
+        by_content[r.content_id] = r
+    seen: dict[str, str] = {}
+    for i, a in enumerate(artifacts):
+        try:
+            validate_art_id(a.art_id)
+            check_owner(a.owner, a.ttl_s)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{member(i, a.art_id, len(artifacts))}: {e}") from None
+        if seen.get(a.art_id, a.content_id) != a.content_id:
+            raise InvalidArgument(
+                f"{member(i, a.art_id, len(artifacts))}: the batch names this id twice with "
+                "different content"
+            )
+        seen[a.art_id] = a.content_id
+    return by_content
+
+
+def check_owner(owner: str, ttl_s: float) -> None:
+    if owner not in (OWNER_SYSTEM, OWNER_LEASE):
+        raise InvalidArgument(f"bad owner {owner!r}: use 'system' or 'lease'")
+    if owner == OWNER_LEASE and not ttl_s > 0:
+        raise InvalidArgument("a caller-leased artifact needs ttl_s > 0")
+
+
+def page_limit(limit: int) -> int:
+    """A listing's page size: `limit` (0: the most), at most MAX_PAGE."""
+    return MAX_PAGE if limit <= 0 else min(limit, MAX_PAGE)
+
+
+@dataclass(frozen=True)
 class ContentInfo:
     content_id: str
     size_bytes: int
@@ -133,9 +266,57 @@ class MetadataStore(Protocol):
     def create_artifact(
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str, now: float
     ) -> tuple[ArtifactInfo, bool]: ...
+    def put_artifacts(
+        self,
+        worker_id: str,
+        replicas: list[NewReplica],
+        artifacts: list[NewArtifact],
+        now: float,
+    ) -> PutResult:
+        """Record `worker_id`'s replicas of new contents and create `artifacts`, all or nothing:
+        a bad member (InvalidArgument), an id naming other content (AlreadyExists) or a content
+        neither in the batch nor known (NotFound) changes nothing, and the error names the
+        member. A replica of a content another live worker holds already is not recorded (it is
+        in `redundant`: identical content is stored once). `worker_id` may be "" when the batch
+        has no replicas. Readers never see part of a batch."""
+        ...
+
+    def held_contents(self, content_ids: list[str], now: float) -> set[str]:
+        """Those of `content_ids` that some live worker holds (a put of them moves no bytes)."""
+        ...
+
     def get_artifact(self, art_id: str, now: float) -> ArtifactInfo: ...
     def list_artifacts(self, prefix: str, now: float) -> list[ArtifactInfo]: ...
+    def list_artifact_page(
+        self,
+        prefix: str,
+        after: str,
+        limit: int,
+        now: float,
+        with_tensors: bool = False,
+        delimiter: str = "",
+    ) -> tuple[list[ArtifactInfo], str]:
+        """Up to `limit` (0: MAX_PAGE) live artifacts whose id starts with `prefix` and sorts
+        after `after`, by id; returns them and the id to pass as `after` for the next page
+        ("" when this is the last). Without `with_tensors`, `tensors` is empty and only
+        `num_tensors` tells how many there are (cheap: `tc ls` over many artifacts). With a
+        `delimiter`, only ids whose part after `prefix` does not contain it (one level of a
+        hierarchy: a model's versions without their tensors)."""
+        ...
+
+    def run_batch(self, ops: list[StoreOp], now: float) -> list[OpResult]:
+        """Independent operations (different callers' requests a worker coalesced): each
+        succeeds or fails on its own (its error is its result) exactly as the method it names
+        would; a backend commits the writes together where it can (sqlite: one transaction,
+        each in its own savepoint)."""
+        ...
+
     def delete_artifact(self, art_id: str, now: float) -> None: ...
+    def delete_artifacts(self, art_ids: list[str], now: float, missing_ok: bool = False) -> int:
+        """Delete several artifacts in the order given; returns how many existed. Without
+        `missing_ok` an id that does not exist is NotFound and nothing is deleted."""
+        ...
+
     def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo: ...
     def sweep(self, now: float) -> None:
         """Drop replicas of dead workers, expired leases and never-referenced contents."""

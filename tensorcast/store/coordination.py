@@ -31,7 +31,7 @@ class SqliteCoordination:
 
     def _settle_num_shards(self, requested: int | None) -> int:
         check_num_shards(requested)
-        with self._lock, self.db.conn:
+        with self.store.transaction():
             row = self.db.execute("SELECT value FROM settings WHERE key = 'num_shards'").fetchone()
             if row is not None:
                 return fixed_num_shards(int(row[0]), requested)
@@ -75,7 +75,7 @@ class SqliteCoordination:
 
     def acquire_shards(self, worker_id: str, shards: list[int], now: float) -> ShardTable:
         """Grant each free or expired shard to `worker_id` (renew those it holds already)."""
-        with self._lock, self.db.conn:
+        with self.store.transaction():
             row = self.db.execute(
                 "SELECT roles, last_heartbeat FROM workers WHERE worker_id = ?", [worker_id]
             ).fetchone()
@@ -115,7 +115,7 @@ class SqliteCoordination:
     ) -> ShardTable:
         """Move a held lease to another live shard-home worker, bumping the token (fencing the
         old holder). Only the holder, under its current token, may give a shard away."""
-        with self._lock, self.db.conn:
+        with self.store.transaction():
             lease = self.db.execute(
                 "SELECT holder_worker_id, fencing_token, expires_at FROM shard_leases "
                 "WHERE shard = ?",
@@ -142,7 +142,8 @@ class SqliteCoordination:
 
     def renew_shards(self, worker_id: str, held: list[tuple[int, int]], now: float) -> None:
         """Heartbeat renewal: only leases still held by `worker_id` under the same token."""
-        with self._lock, self.db.conn:
+
+        def renew() -> None:
             for shard, token in held:
                 self.db.execute(
                     "UPDATE shard_leases SET expires_at = ? WHERE shard = ? AND "
@@ -150,9 +151,12 @@ class SqliteCoordination:
                     [now + self.store.heartbeat_ttl_s, shard, worker_id, token, now],
                 )
 
+        if held:
+            self.store.write(renew)
+
     def release_shards(self, worker_id: str) -> None:
         """A worker leaving cleanly frees its shards at once (the token stays for fencing)."""
-        with self._lock, self.db.conn:
+        with self.store.transaction():
             self.db.execute(
                 "UPDATE shard_leases SET expires_at = 0 WHERE holder_worker_id = ?", [worker_id]
             )
@@ -162,7 +166,8 @@ class SqliteCoordination:
 
     def report_instances(self, worker_id: str, instances: list[InstanceInfo], now: float) -> None:
         """The worker's full list of attached instances: upsert them, forget detached ones."""
-        with self._lock, self.db.conn:
+
+        def report() -> None:
             for inst in instances:
                 load = {
                     "waiting": inst.waiting,
@@ -191,6 +196,14 @@ class SqliteCoordination:
                 f"DELETE FROM instances WHERE worker_id = ? AND instance_id NOT IN ({marks})",
                 [worker_id, *(i.instance_id for i in instances)],
             )
+
+        if (
+            instances
+            or self.store._reader()
+            .execute("SELECT 1 FROM instances WHERE worker_id = ? LIMIT 1", [worker_id])
+            .fetchone()
+        ):
+            self.store.write(report)
 
     def list_instances(self, now: float) -> list[InstanceInfo]:
         with self._lock:
@@ -229,7 +242,7 @@ class SqliteCoordination:
         Not started when the key finished ok, or is running and not past its deadline. A failed
         or abandoned run is replaced: the caller reuses the steps it finished.
         """
-        with self._lock, self.db.conn:
+        with self.store.transaction():
             previous = self._plan(record.idempotency_key)
             if previous is not None and (
                 previous.status == "ok"
@@ -252,7 +265,7 @@ class SqliteCoordination:
     def finish_plan(self, record: PlanRecord, now: float) -> None:
         if record.status not in ("ok", "failed"):
             raise InvalidArgument(f"a finished plan is ok or failed, not {record.status!r}")
-        with self._lock, self.db.conn:
+        with self.store.transaction():
             cursor = self.db.execute(
                 "UPDATE plan_results SET status = ?, result = ?, finished_at = ? "
                 "WHERE idempotency_key = ? AND trace_id = ?",
@@ -308,7 +321,7 @@ class SqliteCoordination:
         )
 
     def sweep(self, now: float) -> None:
-        with self._lock, self.db.conn:
+        with self.store.transaction():
             self.db.execute(
                 "DELETE FROM plan_results WHERE status != 'running' AND finished_at < ?",
                 [now - PLAN_RETENTION_S],

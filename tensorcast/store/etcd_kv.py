@@ -134,6 +134,55 @@ class EtcdKV:
             last = base64.b64decode(kvs[-1]["key"]) + b"\x00"
             start = base64.b64encode(last).decode()
 
+    def read_many(
+        self,
+        keys: list[str],
+        prefixes: list[str] = (),  # type: ignore[assignment]
+    ) -> tuple[dict[str, Item | None], dict[str, dict[str, Item]]]:
+        """Many records in few requests: each read-only transaction carries up to MAX_TXN_OPS
+        reads, all at one revision (records read by different requests may be from different
+        revisions; callers that decide on them commit with comparisons). Returns the records of
+        `keys` (None when absent) and, per prefix, every record under it."""
+        wanted = [(k, False) for k in dict.fromkeys(keys)]
+        wanted += [(p, True) for p in dict.fromkeys(prefixes)]
+        got: dict[str, Item | None] = {}
+        ranges: dict[str, dict[str, Item]] = {}
+        for start in range(0, len(wanted), MAX_TXN_OPS):
+            part = wanted[start : start + MAX_TXN_OPS]
+            reads = []
+            for key, is_prefix in part:
+                body = {"key": _b64(self.prefix + key)}
+                if is_prefix:
+                    body["range_end"] = _range_end(self.prefix + key)
+                reads.append({"request_range": body})
+            reply = self._post("/kv/txn", {"compare": [], "success": reads})
+            for (key, is_prefix), response in zip(part, reply.get("responses") or []):
+                found = (response.get("response_range") or {}).get("kvs") or []
+                if is_prefix:
+                    if (response.get("response_range") or {}).get("more"):
+                        ranges[key] = self.range(key)  # larger than one reply: read it whole
+                    else:
+                        ranges[key] = {
+                            _unb64(kv["key"])[len(self.prefix) :]: self._item(kv) for kv in found
+                        }
+                else:
+                    got[key] = self._item(found[0]) if found else None
+        return got, ranges
+
+    def range_page(self, prefix: str, start: str, limit: int) -> tuple[dict[str, Item], bool]:
+        """Up to `limit` records under `prefix` whose key (without the store's prefix) is >=
+        `start`, in key order; and whether more follow."""
+        body = {
+            "key": _b64(self.prefix + max(start, prefix)),
+            "range_end": _range_end(self.prefix + prefix),
+            "limit": limit,
+        }
+        reply = self._post("/kv/range", body)
+        items = {
+            _unb64(kv["key"])[len(self.prefix) :]: self._item(kv) for kv in reply.get("kvs") or []
+        }
+        return items, bool(reply.get("more"))
+
     def count(self, prefix: str) -> int:
         body = {
             "key": _b64(self.prefix + prefix),

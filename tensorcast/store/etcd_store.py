@@ -18,7 +18,10 @@ Keys under the prefix (JSON values):
     r/{content}/{worker}/{tier}  a replica: created_at, pinned
     rw/{worker}/{content}/{tier} the same replica, found by worker
     f/{content}                a file reference: host, spec
-    a/{artifact}               an artifact: content, owner, created_at, expires_at, parent
+    a/{artifact}               an artifact: content, owner, created_at, expires_at, parent,
+                               size_bytes, num_tensors; `batch` while its batch is staged
+    batch/{id}                 a batch of artifacts being staged: pending, committed, aborted
+    bm/{id}/{artifact}         the artifacts a batch staged (to finalize or roll back)
     exp/{expires_at}/{artifact}  leased artifacts by expiry
     s/{shard}                  a shard lease: holder, token, expires_at
     i/{instance}               an instance: worker, engine, load, endpoint, heartbeat
@@ -27,7 +30,20 @@ Keys under the prefix (JSON values):
 
 from __future__ import annotations
 
-from tensorcast.errors import AlreadyExists, FencingError, IntegrityError, InvalidArgument, NotFound
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+
+from tensorcast.config import DEFAULT_BATCH_TIMEOUT_S, fault_injection
+from tensorcast.errors import (
+    AlreadyExists,
+    FencingError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from tensorcast.store.base import (
     DEAD_WORKER_RETENTION_S,
     DEFAULT_NUM_SHARDS,
@@ -36,16 +52,25 @@ from tensorcast.store.base import (
     RECONCILE_GRACE_S,
     SHARD_HOME_ROLE,
     ContentInfo,
+    NewArtifact,
+    NewReplica,
+    OpResult,
+    PutResult,
+    StoreOp,
     WorkerRegistration,
+    check_batch,
     check_num_shards,
+    check_owner,
     check_same_layout,
     fixed_num_shards,
+    member,
+    page_limit,
+    run_each,
     validate_art_id,
 )
-from tensorcast.store.etcd_kv import EtcdKV, Item
+from tensorcast.store.etcd_kv import MAX_TXN_OPS, Conflict, EtcdKV, Item
 from tensorcast.types import (
     OWNER_LEASE,
-    OWNER_SYSTEM,
     ArtifactInfo,
     InstanceInfo,
     PlanRecord,
@@ -66,11 +91,74 @@ def _replica_keys(content_id: str, worker_id: str, tier: str) -> tuple[str, str]
     return f"r/{content_id}/{worker_id}/{tier}", f"rw/{worker_id}/{content_id}/{tier}"
 
 
+def _replicas_of(rows: dict[str, Item], live: set[str]) -> tuple[ReplicaInfo, ...]:
+    """Replicas on live workers from the records under `r/{content}/`, oldest first."""
+    found = []
+    for key, r in rows.items():
+        _, _, worker_id, tier = key.split("/")
+        if worker_id in live:
+            found.append((r.value["created_at"], ReplicaInfo(worker_id, tier, r.value["pinned"])))
+    return tuple(r for _, r in sorted(found, key=lambda x: x[0]))
+
+
+# Upper bounds of what one member adds to a transaction (comparisons + operations): a replica
+# (its two rows, its content's record and unref marker, a comparison on the content), an
+# artifact (its record, expiry and batch-member keys, a comparison; its content as above).
+REPLICA_COST = 5
+ARTIFACT_COST = 4
+CONTENT_COST = 3
+
+
+def _plan_chunks(
+    replicas: list[NewReplica], artifacts: list[tuple[int, NewArtifact]]
+) -> list[tuple[list[NewReplica], list[tuple[int, NewArtifact]]]]:
+    """Split a batch into transactions of at most MAX_TXN_OPS: each replica goes with the first
+    artifact naming its content (so a content is named in the transaction that records it)."""
+    pending = {r.content_id: r for r in replicas}
+    chunks: list[tuple[list[NewReplica], list[tuple[int, NewArtifact]]]] = []
+    reps: list[NewReplica] = []
+    arts: list[tuple[int, NewArtifact]] = []
+    contents: set[str] = set()
+    cost = 1  # the worker's existence check
+
+    def add(rep: NewReplica | None, art: tuple[int, NewArtifact] | None) -> None:
+        nonlocal reps, arts, contents, cost
+        content_id = rep.content_id if rep is not None else art[1].content_id  # type: ignore[index]
+        extra = (REPLICA_COST if rep else 0) + (ARTIFACT_COST if art else 0)
+        extra += 0 if content_id in contents else CONTENT_COST
+        if cost + extra > MAX_TXN_OPS and (reps or arts):
+            chunks.append((reps, arts))
+            reps, arts, contents, cost = [], [], set(), 1
+            extra = (REPLICA_COST if rep else 0) + (ARTIFACT_COST if art else 0) + CONTENT_COST
+        cost += extra
+        contents.add(content_id)
+        if rep is not None:
+            reps.append(rep)
+        if art is not None:
+            arts.append(art)
+
+    for art in artifacts:
+        add(pending.pop(art[1].content_id, None), art)
+    for rep in pending.values():
+        add(rep, None)
+    if reps or arts or not chunks:
+        chunks.append((reps, arts))
+    return chunks
+
+
 class EtcdStore:
-    def __init__(self, kv: EtcdKV, heartbeat_ttl_s: float, unreferenced_grace_s: float) -> None:
+    def __init__(
+        self,
+        kv: EtcdKV,
+        heartbeat_ttl_s: float,
+        unreferenced_grace_s: float,
+        batch_timeout_s: float = DEFAULT_BATCH_TIMEOUT_S,
+    ) -> None:
         self.kv = kv
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.unreferenced_grace_s = unreferenced_grace_s
+        self.batch_timeout_s = batch_timeout_s
+        self.faults = fault_injection()
         self.schema_version = 0  # records are JSON: no schema to migrate
 
     def describe(self) -> str:
@@ -304,104 +392,493 @@ class EtcdStore:
         return tuple(r for _, r in sorted(rows, key=lambda x: x[0]))
 
     # -- artifacts ------------------------------------------------------------------------------
+    #
+    # A batch that fits one etcd transaction (at most MAX_TXN_OPS comparisons and operations,
+    # e.g. a single put) is one optimistic transaction. A larger one is staged: a record
+    # `batch/{id}` (pending, with a deadline) first, then the replicas and artifacts in
+    # transactions of at most MAX_TXN_OPS, each artifact record carrying `"batch": id` and a
+    # member key `bm/{id}/{artifact}`; then ONE transaction flips the batch record to committed
+    # (compared on its revision, so a rollback and a commit cannot both happen). Readers show a
+    # record carrying a batch id only once that batch is committed, so the whole batch appears
+    # at that one transaction. Afterwards the records lose their batch id and the batch record
+    # goes (`_finalize`). A store that dies before the flip leaves a pending batch nobody sees;
+    # any store's sweep rolls it back after its deadline (and finalizes committed ones).
 
     def create_artifact(
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str, now: float
     ) -> tuple[ArtifactInfo, bool]:
         validate_art_id(art_id)
-        if owner not in (OWNER_SYSTEM, OWNER_LEASE):
-            raise InvalidArgument(f"bad owner {owner!r}: use 'system' or 'lease'")
-        if owner == OWNER_LEASE and not ttl_s > 0:
-            raise InvalidArgument("a caller-leased artifact needs ttl_s > 0")
-        self._expire_one(art_id, now)
+        check_owner(owner, ttl_s)
+        result = self.put_artifacts(
+            "", [], [NewArtifact(art_id, content_id, owner, ttl_s, parent)], now
+        )
+        return result.artifacts[0]
 
-        def create() -> bool:
-            existing = self.kv.get(f"a/{art_id}")
-            if existing is not None:
-                if existing.value["content_id"] != content_id:
+    def put_artifacts(
+        self,
+        worker_id: str,
+        replicas: list[NewReplica],
+        artifacts: list[NewArtifact],
+        now: float,
+    ) -> PutResult:
+        by_content = check_batch(replicas, artifacts)
+        chunks = _plan_chunks(list(by_content.values()), list(enumerate(artifacts)))
+        live = self._live_workers(now)
+        existed: dict[int, bool] = {}
+        redundant: list[str] = []
+        written: dict[str, dict] = {}
+        contents: dict[str, dict] = {}
+
+        def stage(reps: list[NewReplica], arts: list[tuple[int, NewArtifact]], bid: str) -> None:
+            e, red, w, c = self.kv.optimistic(
+                lambda: self._stage(worker_id, reps, arts, now, bid, live, len(artifacts))
+            )
+            existed.update(e)
+            redundant.extend(red)
+            written.update(w)
+            contents.update(c)
+
+        if len(chunks) == 1:
+            stage(*chunks[0], "")
+        else:
+            bid = self._stage_batch(chunks, stage, len(artifacts), now)
+            self._finalize(bid)
+        infos = self._infos_after(artifacts, written, contents, now, live)
+        result = tuple((infos[a.art_id], existed[i]) for i, a in enumerate(artifacts))
+        return PutResult(result, tuple(redundant))
+
+    def _stage_batch(self, chunks: list, stage: Callable, size: int, now: float) -> str:
+        """Stage `chunks` under a new pending batch, then commit it (one transaction). Rolls
+        back on any failure; returns the batch id."""
+        bid = uuid.uuid4().hex
+        started = time.monotonic()
+        key = f"batch/{bid}"
+        record = {"state": "pending", "created_at": now, "deadline": now + self.batch_timeout_s}
+        self.kv.txn([self.kv.unchanged(key, None)], [self.kv.put(key, record)])
+        try:
+            for k, (reps, arts) in enumerate(chunks):
+                if time.monotonic() - started > self.batch_timeout_s:
+                    raise Unavailable(
+                        f"a batch of {size} artifacts took over {self.batch_timeout_s:.0f}s "
+                        "to stage; nothing was created (TC_BATCH_TIMEOUT_S)"
+                    )
+                stage(reps, arts, bid)
+                if k == len(chunks) // 2 and 0 < self.faults.store_exit_in_batch <= size:
+                    os._exit(70)  # test hook: die mid-batch, as kill -9 would
+            item = self.kv.get(key)
+            if item is None or item.value["state"] != "pending":
+                raise Unavailable("the batch was rolled back meanwhile; nothing was created")
+            self.kv.txn(
+                [self.kv.unchanged(key, item)],
+                [self.kv.put(key, dict(item.value, state="committed"))],
+            )
+        except Conflict:
+            self._roll_back(bid)
+            raise Unavailable("the batch was rolled back meanwhile; nothing was created") from None
+        except BaseException:
+            self._roll_back(bid)
+            raise
+        if 0 < self.faults.store_exit_after_commit <= size:
+            os._exit(70)  # test hook: die after the commit point, before finalizing
+        return bid
+
+    def _stage(
+        self,
+        worker_id: str,
+        reps: list[NewReplica],
+        arts: list[tuple[int, NewArtifact]],
+        now: float,
+        bid: str,
+        live: set[str],
+        size: int,
+    ) -> tuple[dict[int, bool], list[str], dict[str, dict], dict[str, dict]]:
+        """One optimistic transaction: record `reps` on `worker_id` and create `arts` (staged
+        under batch `bid` when given) of a batch of `size`. Returns existed per member index,
+        redundant contents, the artifact records written and the content records involved."""
+        content_ids = list(
+            dict.fromkeys([r.content_id for r in reps] + [a.content_id for _, a in arts])
+        )
+        keys = [f"w/{worker_id}"] if reps else []
+        keys += [f"c/{c}" for c in content_ids] + [f"a/{a.art_id}" for _, a in arts]
+        got, rows = self.kv.read_many(keys, [f"r/{r.content_id}/" for r in reps])
+        compares: list[dict] = []
+        ops: list[dict] = []
+        if reps:
+            if got[f"w/{worker_id}"] is None:
+                raise NotFound(f"worker {worker_id} is not registered")
+            compares.append(self.kv.exists(f"w/{worker_id}"))
+        before = {c: got[f"c/{c}"] for c in content_ids}
+        records = {c: (dict(i.value) if i is not None else None) for c, i in before.items()}
+        changed: set[str] = set()
+        redundant: list[str] = []
+        for r in reps:
+            layout = [t.to_json() for t in r.tensors]
+            record = records[r.content_id]
+            if record is None:
+                records[r.content_id] = {
+                    "size_bytes": r.size_bytes,
+                    "tensors": layout,
+                    "created_at": now,
+                    "refs": 0,
+                }
+                changed.add(r.content_id)
+            elif all(t.hash_hex for t in r.tensors):
+                stored = [TensorMeta.from_json(t) for t in record["tensors"]]
+                if not all(t.hash_hex for t in stored):
+                    check_same_layout(r.content_id, stored, r.tensors)
+                    record["tensors"] = layout
+                    changed.add(r.content_id)
+                elif {t.name: t.hash_hex for t in stored} != {
+                    t.name: t.hash_hex for t in r.tensors
+                }:
+                    raise IntegrityError(
+                        f"content {r.content_id}: this replica's bytes differ from the recorded "
+                        "ones; not registered"
+                    )
+            holders = {k.split("/")[2] for k in rows[f"r/{r.content_id}/"]}
+            if worker_id not in holders and holders & (live - {worker_id}):
+                redundant.append(r.content_id)  # stored once: the worker frees its copy
+            elif worker_id not in holders:
+                value = {"created_at": now, "pinned": False}
+                ops += [
+                    self.kv.put(k, value) for k in _replica_keys(r.content_id, worker_id, "cpu")
+                ]
+        existed: dict[int, bool] = {}
+        written: dict[str, dict] = {}
+        named: set[str] = set()
+        for i, a in arts:
+            if a.art_id in written:
+                existed[i] = True  # named twice in the batch (with the same content)
+                continue
+            item = got[f"a/{a.art_id}"]
+            if item is not None:
+                value = item.value
+                other = value.get("batch")
+                if other and other != bid and self._batch_state(other, now) != "committed":
+                    raise Conflict()  # another batch is staging this id: wait for its outcome
+                if value["expires_at"] is not None and value["expires_at"] <= now:
+                    self._expire_one(a.art_id, now)
+                    raise Conflict()
+                if value["content_id"] != a.content_id:
                     raise AlreadyExists(
-                        f"artifact {art_id!r} already exists with different content "
+                        f"{member(i, a.art_id, size)} already exists with different content "
                         "(artifacts are immutable): choose a new id, e.g. a version suffix @v2"
                     )
-                return True
-            content = self.kv.get(f"c/{content_id}")
+                existed[i] = True
+                continue
+            content = records.get(a.content_id)
             if content is None:
-                raise NotFound(f"content {content_id} is not held by any worker")
-            expires_at = now + ttl_s if owner == OWNER_LEASE else None
+                raise NotFound(
+                    f"{member(i, a.art_id, size)}: content {a.content_id} is not held by any worker"
+                )
+            expires_at = now + a.ttl_s if a.owner == OWNER_LEASE else None
             record = {
-                "content_id": content_id,
-                "owner": owner,
+                "content_id": a.content_id,
+                "owner": a.owner,
                 "created_at": now,
                 "expires_at": expires_at,
-                "parent": parent,
+                "parent": a.parent,
+                "size_bytes": content["size_bytes"],
+                "num_tensors": len(content["tensors"]),
             }
-            ops = [
-                self.kv.put(f"a/{art_id}", record),
-                self.kv.put(f"c/{content_id}", dict(content.value, refs=content.value["refs"] + 1)),
-                self.kv.delete(f"unref/{content_id}"),
-            ]
+            if bid:
+                record["batch"] = bid
+                ops.append(self.kv.put(f"bm/{bid}/{a.art_id}", 1))
+            compares.append(self.kv.unchanged(f"a/{a.art_id}", None))
+            ops.append(self.kv.put(f"a/{a.art_id}", record))
             if expires_at is not None:
-                ops.append(self.kv.put(_exp_key(expires_at, art_id), 1))
-            compares = [
-                self.kv.unchanged(f"a/{art_id}", None),
-                self.kv.unchanged(f"c/{content_id}", content),
-            ]
+                ops.append(self.kv.put(_exp_key(expires_at, a.art_id), 1))
+            content["refs"] += 1
+            changed.add(a.content_id)
+            named.add(a.content_id)
+            written[a.art_id] = record
+            existed[i] = False
+        for c in changed:
+            record = records[c]
+            assert record is not None
+            compares.append(self.kv.unchanged(f"c/{c}", before[c]))
+            ops.append(self.kv.put(f"c/{c}", record))
+            if c in named:
+                ops.append(self.kv.delete(f"unref/{c}"))
+            elif before[c] is None:
+                ops.append(self.kv.put(f"unref/{c}", 1))
+        if ops:
             self.kv.txn(compares, ops)
-            return False
+        return existed, redundant, written, {c: r for c, r in records.items() if r is not None}
 
-        existed = self.kv.optimistic(create)
-        return self.get_artifact(art_id, now), existed
-
-    def get_artifact(self, art_id: str, now: float) -> ArtifactInfo:
-        info = self._artifact(art_id, self.kv.get(f"a/{art_id}"), now, None)
-        if info is None:
-            raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
-        return info
-
-    def _artifact(
-        self, art_id: str, item: Item | None, now: float, live: set[str] | None
-    ) -> ArtifactInfo | None:
+    def _batch_state(self, bid: str, now: float) -> str:
+        """committed, pending, aborted, or gone (finalized or rolled back). A pending batch
+        past its deadline is rolled back here (its stager died or gave up)."""
+        item = self.kv.get(f"batch/{bid}")
         if item is None:
-            return None
-        a = item.value
-        if a["expires_at"] is not None and a["expires_at"] <= now:
-            return None
-        content = self.kv.get(f"c/{a['content_id']}")
-        if content is None:
-            return None
+            return "gone"
+        state = item.value["state"]
+        if state == "pending" and item.value["deadline"] < now:
+            self._roll_back(bid)
+            return "gone"
+        return state
+
+    def _roll_back(self, bid: str) -> None:
+        """Undo a batch that did not commit: mark it aborted (so it can never commit), delete
+        its staged artifacts (content counts back down; contents named by nothing are
+        collected after the grace), then its records. Idempotent; a sweep finishes it."""
+        key = f"batch/{bid}"
+
+        def abort() -> bool:
+            item = self.kv.get(key)
+            if item is None or item.value["state"] == "committed":
+                return False
+            if item.value["state"] == "pending":
+                self.kv.txn(
+                    [self.kv.unchanged(key, item)],
+                    [self.kv.put(key, dict(item.value, state="aborted"))],
+                )
+            return True
+
+        if not self.kv.optimistic(abort):
+            return
+        members = [k.split("/", 2)[2] for k in self.kv.range(f"bm/{bid}/", keys_only=True)]
+        for start in range(0, len(members), 12):
+            part = members[start : start + 12]
+
+            def unstage(part: list[str] = part) -> None:
+                self._unstage(bid, part)
+
+            self.kv.optimistic(unstage)
+        self.kv.apply([self.kv.delete(key)])
+
+    def _unstage(self, bid: str, art_ids: list[str]) -> None:
+        got, _ = self.kv.read_many([f"a/{a}" for a in art_ids])
+        ours: dict[str, Item] = {}
+        for art_id in art_ids:
+            item = got[f"a/{art_id}"]
+            if item is not None and item.value.get("batch") == bid:
+                ours[art_id] = item
+        content_ids = list(dict.fromkeys(i.value["content_id"] for i in ours.values()))
+        contents, _ = self.kv.read_many([f"c/{c}" for c in content_ids])
+        compares, ops = [], [self.kv.delete(f"bm/{bid}/{a}") for a in art_ids]
+        refs: dict[str, int] = {}
+        for art_id, item in ours.items():
+            compares.append(self.kv.unchanged(f"a/{art_id}", item))
+            ops.append(self.kv.delete(f"a/{art_id}"))
+            if item.value["expires_at"] is not None:
+                ops.append(self.kv.delete(_exp_key(item.value["expires_at"], art_id)))
+            c = item.value["content_id"]
+            refs[c] = refs.get(c, 0) + 1
+        for c, n in refs.items():
+            content = contents[f"c/{c}"]
+            if content is None:
+                continue
+            compares.append(self.kv.unchanged(f"c/{c}", content))
+            left = content.value["refs"] - n
+            ops.append(self.kv.put(f"c/{c}", dict(content.value, refs=max(0, left))))
+            if left <= 0:
+                ops.append(self.kv.put(f"unref/{c}", 1))
+        self.kv.txn(compares, ops)
+
+    def _finalize(self, bid: str) -> None:
+        """A committed batch's records lose their batch id, then the batch record goes."""
+        members = [k.split("/", 2)[2] for k in self.kv.range(f"bm/{bid}/", keys_only=True)]
+        for start in range(0, len(members), 30):
+            part = members[start : start + 30]
+
+            def settle(part: list[str] = part) -> None:
+                got, _ = self.kv.read_many([f"a/{a}" for a in part])
+                compares, ops = [], [self.kv.delete(f"bm/{bid}/{a}") for a in part]
+                for art_id in part:
+                    item = got[f"a/{art_id}"]
+                    if item is not None and item.value.get("batch") == bid:
+                        value = {k: v for k, v in item.value.items() if k != "batch"}
+                        compares.append(self.kv.unchanged(f"a/{art_id}", item))
+                        ops.append(self.kv.put(f"a/{art_id}", value))
+                self.kv.txn(compares, ops)
+
+            self.kv.optimistic(settle)
+        self.kv.apply([self.kv.delete(f"batch/{bid}")])
+
+    def _visible(self, items: Mapping[str, Item | None], now: float) -> dict[str, dict]:
+        """The records readers may see: live (not expired) and not part of a batch that has
+        not committed. Records of a batch settled since they were read are read again."""
+        states: dict[str, str] = {}
+        visible: dict[str, dict] = {}
+        again: list[str] = []
+        for art_id, item in items.items():
+            if item is None:
+                continue
+            value = item.value
+            bid = value.get("batch")
+            if bid:
+                if bid not in states:
+                    states[bid] = self._batch_state(bid, now)
+                if states[bid] == "gone":
+                    again.append(art_id)
+                    continue
+                if states[bid] != "committed":
+                    continue
+            if value["expires_at"] is None or value["expires_at"] > now:
+                visible[art_id] = value
+        if again:
+            got, _ = self.kv.read_many([f"a/{a}" for a in again])
+            for art_id in again:
+                item = got[f"a/{art_id}"]
+                if (
+                    item is not None
+                    and not item.value.get("batch")
+                    and (item.value["expires_at"] is None or item.value["expires_at"] > now)
+                ):
+                    visible[art_id] = item.value
+        return visible
+
+    def _infos(
+        self, records: dict[str, dict], now: float, with_tensors: bool, live: set[str] | None = None
+    ) -> dict[str, ArtifactInfo]:
+        """ArtifactInfo of visible records, reading contents and replicas in few requests."""
+        content_ids = list(dict.fromkeys(v["content_id"] for v in records.values()))
+        need = [
+            c
+            for c in content_ids
+            if with_tensors
+            or any("size_bytes" not in v for v in records.values() if v["content_id"] == c)
+        ]
+        got, rows = self.kv.read_many([f"c/{c}" for c in need], [f"r/{c}/" for c in content_ids])
         live = self._live_workers(now) if live is None else live
+        infos = {}
+        for art_id, a in records.items():
+            c = a["content_id"]
+            content = got.get(f"c/{c}")
+            if c in need and content is None:
+                continue  # dropped meanwhile
+            replicas = _replicas_of(rows[f"r/{c}/"], live)
+            infos[art_id] = self._info(art_id, a, content.value if content else None, replicas)
+        return infos
+
+    @staticmethod
+    def _info(
+        art_id: str, a: dict, content: dict | None, replicas: tuple[ReplicaInfo, ...]
+    ) -> ArtifactInfo:
+        tensors = tuple(TensorMeta.from_json(t) for t in content["tensors"]) if content else ()
         return ArtifactInfo(
             art_id=art_id,
             content_id=a["content_id"],
             owner=a["owner"],
-            size_bytes=content.value["size_bytes"],
-            tensors=tuple(TensorMeta.from_json(t) for t in content.value["tensors"]),
+            size_bytes=content["size_bytes"] if content else a["size_bytes"],
+            tensors=tensors,
             created_at=a["created_at"],
             expires_at=a["expires_at"],
             parent=a["parent"] or "",
-            replicas=self._live_replicas(a["content_id"], live),
+            replicas=replicas,
+            num_tensors=len(tensors) if content else a["num_tensors"],
         )
 
+    def _infos_after(
+        self,
+        artifacts: list[NewArtifact],
+        written: dict[str, dict],
+        contents: dict[str, dict],
+        now: float,
+        live: set[str],
+    ) -> dict[str, ArtifactInfo]:
+        """A batch's members: those it created from what was written, the others (they
+        existed) as stored now; in few requests."""
+        content_ids = list(dict.fromkeys(a["content_id"] for a in written.values()))
+        _, rows = self.kv.read_many([], [f"r/{c}/" for c in content_ids])
+        infos = {
+            art_id: self._info(
+                art_id,
+                a,
+                contents[a["content_id"]],
+                _replicas_of(rows[f"r/{a['content_id']}/"], live),
+            )
+            for art_id, a in written.items()
+        }
+        others = list(dict.fromkeys(a.art_id for a in artifacts if a.art_id not in written))
+        if others:
+            got, _ = self.kv.read_many([f"a/{a}" for a in others])
+            visible = self._visible({a: got[f"a/{a}"] for a in others}, now)
+            infos.update(self._infos(visible, now, True, live))
+        for art_id in others:
+            if art_id not in infos:  # deleted since: as readers see it now
+                infos[art_id] = self.get_artifact(art_id, now)
+        return infos
+
+    def get_artifact(self, art_id: str, now: float) -> ArtifactInfo:
+        visible = self._visible({art_id: self.kv.get(f"a/{art_id}")}, now)
+        info = self._infos(visible, now, with_tensors=True).get(art_id)
+        if info is None:
+            raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
+        return info
+
     def list_artifacts(self, prefix: str, now: float) -> list[ArtifactInfo]:
+        infos, after = self.list_artifact_page(prefix, "", 0, now, with_tensors=True)
+        while after:
+            page, after = self.list_artifact_page(prefix, after, 0, now, with_tensors=True)
+            infos += page
+        return infos
+
+    def list_artifact_page(
+        self,
+        prefix: str,
+        after: str,
+        limit: int,
+        now: float,
+        with_tensors: bool = False,
+        delimiter: str = "",
+    ) -> tuple[list[ArtifactInfo], str]:
+        limit = page_limit(limit)
+        start = f"a/{after}\x00" if after >= prefix else f"a/{prefix}"
+        records: dict[str, dict] = {}
+        while len(records) <= limit:  # one more than the page: is there a next one?
+            items, more = self.kv.range_page(f"a/{prefix}", start, limit + 1 - len(records))
+            wanted = {
+                k[2:]: i
+                for k, i in items.items()
+                if not delimiter or delimiter not in k[2 + len(prefix) :]
+            }
+            records.update(self._visible(wanted, now))
+            if not more or not items:
+                break
+            start = max(items) + "\x00"
+        ids = sorted(records)
+        infos = self._infos({a: records[a] for a in ids[:limit]}, now, with_tensors)
+        page = [infos[a] for a in ids[:limit] if a in infos]
+        return page, (ids[limit - 1] if len(ids) > limit else "")
+
+    def held_contents(self, content_ids: list[str], now: float) -> set[str]:
         live = self._live_workers(now)
-        infos = [
-            self._artifact(key[2:], item, now, live)
-            for key, item in sorted(self.kv.range(f"a/{prefix}").items())
-        ]
-        return [i for i in infos if i is not None]
+        _, rows = self.kv.read_many([], [f"r/{c}/" for c in content_ids])
+        return {c for c in content_ids if _replicas_of(rows[f"r/{c}/"], live)}
+
+    def run_batch(self, ops: list[StoreOp], now: float) -> list[OpResult]:
+        return run_each(self, ops, now)  # each its own transaction(s): etcd batches fsyncs
 
     def delete_artifact(self, art_id: str, now: float) -> None:
-        if not self._remove_artifact(art_id, lambda a: True):
+        if not self._remove_artifact(art_id, now, lambda a: True):
             raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
 
-    def _remove_artifact(self, art_id: str, should) -> bool:
-        """Remove `art_id` if it exists and `should(record)`; drop its content with the last
-        artifact naming it. Returns whether it was removed."""
+    def delete_artifacts(self, art_ids: list[str], now: float, missing_ok: bool = False) -> int:
+        """All checked first (nothing deleted if one is missing and not `missing_ok`), then
+        deleted in order, one transaction each: a store dying meanwhile leaves the first ones
+        deleted, and deleting the batch again finishes it (with `missing_ok`)."""
+        if not missing_ok:
+            got, _ = self.kv.read_many([f"a/{a}" for a in art_ids])
+            visible = self._visible({a: got[f"a/{a}"] for a in art_ids}, now)
+            for i, art_id in enumerate(art_ids):
+                if art_id not in visible:
+                    who = member(i, art_id, len(art_ids)) + ": " if len(art_ids) > 1 else ""
+                    raise NotFound(f"{who}no artifact {art_id!r} (see `tc ls`)")
+        return sum(self._remove_artifact(a, now, lambda a: True) for a in art_ids)
+
+    def _remove_artifact(self, art_id: str, now: float, should) -> bool:
+        """Remove `art_id` if readers see it and `should(record)`; drop its content with the
+        last artifact naming it. Returns whether it was removed."""
 
         def remove() -> bool:
             item = self.kv.get(f"a/{art_id}")
             if item is None or not should(item.value):
                 return False
+            bid = item.value.get("batch")
+            if bid and self._batch_state(bid, now) != "committed":
+                return False  # staged by a batch that has not committed: nobody sees it
             content_id = item.value["content_id"]
             content = self.kv.get(f"c/{content_id}")
             compares = [self.kv.unchanged(f"a/{art_id}", item)]
@@ -432,7 +909,7 @@ class EtcdStore:
 
     def _expire_one(self, art_id: str, now: float) -> None:
         self._remove_artifact(
-            art_id, lambda a: a["expires_at"] is not None and a["expires_at"] <= now
+            art_id, now, lambda a: a["expires_at"] is not None and a["expires_at"] <= now
         )
 
     def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo:
@@ -442,7 +919,7 @@ class EtcdStore:
 
         def renew() -> None:
             item = self.kv.get(f"a/{art_id}")
-            if item is None:
+            if item is None or not self._visible({art_id: item}, now):
                 raise NotFound(f"no artifact {art_id!r}: its lease may have expired")
             if item.value["owner"] != OWNER_LEASE:
                 raise InvalidArgument(f"artifact {art_id!r} is system-owned and has no lease")
@@ -460,6 +937,12 @@ class EtcdStore:
     # -- expiry and garbage collection ----------------------------------------------------------
 
     def sweep(self, now: float) -> None:
+        for key, item in self.kv.range("batch/").items():
+            bid = key.split("/", 1)[1]
+            if item.value["state"] == "committed":
+                self._finalize(bid)  # its store died after the commit point
+            elif item.value["state"] == "aborted" or item.value["deadline"] < now:
+                self._roll_back(bid)  # its store died or gave up while staging
         for key in self.kv.range("exp/", keys_only=True):
             _, when, art_id = key.split("/", 2)
             if float(when) > now:
@@ -505,7 +988,12 @@ class EtcdStore:
             self._drop_replicas(content_id)
 
     def counts(self) -> tuple[int, int]:
-        return self.kv.count("a/"), self.kv.count("c/")
+        staged = sum(
+            self.kv.count(f"bm/{key.split('/', 1)[1]}/")
+            for key, item in self.kv.range("batch/").items()
+            if item.value["state"] != "committed"
+        )
+        return self.kv.count("a/") - staged, self.kv.count("c/")
 
 
 class EtcdCoordination:

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S, TLSFiles
+from tensorcast.config import DEFAULT_BATCH_TIMEOUT_S, DEFAULT_UNREFERENCED_GRACE_S, TLSFiles
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.server import bind, make_server
@@ -34,11 +34,17 @@ METRIC_HELP = {
 def _samples(store: MetadataStore) -> list[Sample]:
     now = time.time()
     workers = store.list_workers(now)
-    artifacts = store.list_artifacts("", now)
+    owners = {"system": 0, "lease": 0}
+    page, after = store.list_artifact_page("", "", 0, now)
+    while True:
+        for a in page:
+            owners[a.owner] = owners.get(a.owner, 0) + 1
+        if not after:
+            break
+        page, after = store.list_artifact_page("", after, 0, now)
     _, num_contents = store.counts()
     samples: list[Sample] = [
-        ("tc_store_artifacts", {"owner": owner}, sum(a.owner == owner for a in artifacts))
-        for owner in ("system", "lease")
+        ("tc_store_artifacts", {"owner": owner}, count) for owner, count in owners.items()
     ]
     samples.append(("tc_store_contents", {}, num_contents))
     for alive in (True, False):
@@ -70,6 +76,7 @@ def open_backend(
     unreferenced_grace_s: float = DEFAULT_UNREFERENCED_GRACE_S,
     etcd_prefix: str = "/tensorcast/",
     etcd_tls: TLSFiles | None = None,
+    batch_timeout_s: float = DEFAULT_BATCH_TIMEOUT_S,
 ) -> tuple[MetadataStore, Coordination]:
     """The records' home: an etcd cluster when endpoints are given (several Global Store
     processes may share it), else one sqlite file."""
@@ -78,7 +85,7 @@ def open_backend(
         from tensorcast.store.etcd_store import EtcdCoordination, EtcdStore
 
         kv = EtcdKV(etcd_endpoints, etcd_prefix, tls=etcd_tls)
-        etcd = EtcdStore(kv, heartbeat_ttl_s, unreferenced_grace_s)
+        etcd = EtcdStore(kv, heartbeat_ttl_s, unreferenced_grace_s, batch_timeout_s)
         return etcd, EtcdCoordination(etcd, num_shards)
     assert db_path is not None
     sqlite = SqliteStore(db_path, heartbeat_ttl_s, unreferenced_grace_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from tensorcast import __version__
+from tensorcast.errors import InvalidArgument, TensorcastError, public_name
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.convert import (
@@ -19,7 +20,18 @@ from tensorcast.rpc.convert import (
     tensors_from_pb,
     worker_to_pb,
 )
-from tensorcast.store.base import Coordination, MetadataStore, WorkerRegistration
+from tensorcast.store.base import (
+    Coordination,
+    DeleteOp,
+    GetOp,
+    MetadataStore,
+    NewArtifact,
+    NewReplica,
+    PutOp,
+    PutResult,
+    StoreOp,
+    WorkerRegistration,
+)
 
 
 class GlobalStoreService(pb_grpc.GlobalStoreServicer):
@@ -151,12 +163,66 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         return artifact_to_pb(self.store.get_artifact(request.art_id, time.time()))
 
     def ListArtifacts(self, request, context):
-        infos = self.store.list_artifacts(request.prefix, time.time())
-        return pb.ListArtifactsReply(artifacts=[artifact_to_pb(a) for a in infos])
+        if request.limit == 0 and not (request.after or request.summary or request.delimiter):
+            infos = self.store.list_artifacts(request.prefix, time.time())  # one reply, all
+            return pb.ListArtifactsReply(artifacts=[artifact_to_pb(a) for a in infos])
+        infos, next_after = self.store.list_artifact_page(
+            request.prefix,
+            request.after,
+            request.limit,
+            time.time(),
+            not request.summary,
+            request.delimiter,
+        )
+        return pb.ListArtifactsReply(
+            artifacts=[artifact_to_pb(a) for a in infos], next_after=next_after
+        )
 
     def DeleteArtifact(self, request, context):
         self.store.delete_artifact(request.art_id, time.time())
         return pb.Empty()
+
+    def PutArtifacts(self, request, context):
+        op = _put_op(request)
+        result = self.store.put_artifacts(
+            op.worker_id, list(op.replicas), list(op.artifacts), time.time()
+        )
+        return _put_reply(result, op)
+
+    def DeleteArtifacts(self, request, context):
+        deleted = self.store.delete_artifacts(
+            list(request.art_ids), time.time(), request.missing_ok
+        )
+        return pb.DeleteArtifactsReply(deleted=deleted)
+
+    def Batch(self, request, context):
+        ops: list[StoreOp] = []
+        for m in request.ops:
+            kind = m.WhichOneof("op")
+            if kind == "put":
+                ops.append(_put_op(m.put))
+            elif kind == "get":
+                ops.append(GetOp(m.get.art_id))
+            elif kind == "delete":
+                ops.append(DeleteOp(tuple(m.delete.art_ids), m.delete.missing_ok))
+            else:
+                raise InvalidArgument("a batch operation names no operation")
+        results = []
+        for op, result in zip(ops, self.store.run_batch(ops, time.time())):
+            if isinstance(result, TensorcastError):
+                results.append(pb.StoreOpResult(error_kind=public_name(result), error=str(result)))
+            elif isinstance(result, PutResult):
+                assert isinstance(op, PutOp)
+                results.append(pb.StoreOpResult(put=_put_reply(result, op)))
+            elif isinstance(result, int):
+                results.append(pb.StoreOpResult(delete=pb.DeleteArtifactsReply(deleted=result)))
+            else:
+                results.append(pb.StoreOpResult(get=artifact_to_pb(result)))
+        return pb.BatchReply(results=results)
+
+    def HeldContents(self, request, context):
+        held = self.store.held_contents(list(request.content_ids), time.time())
+        return pb.HeldContentsReply(content_ids=sorted(held))
 
     def RenewLease(self, request, context):
         return artifact_to_pb(self.store.renew_lease(request.art_id, request.ttl_s, time.time()))
@@ -195,3 +261,30 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
     def ListPlans(self, request, context):
         plans = self.coord.list_plans(request.limit)
         return pb.ListPlansReply(plans=[plan_to_pb(p) for p in plans])
+
+
+def _put_op(request: pb.PutArtifactsRequest) -> PutOp:
+    return PutOp(
+        request.worker_id,
+        tuple(
+            NewReplica(r.content_id, r.size_bytes, tensors_from_pb(r.tensors))
+            for r in request.replicas
+        ),
+        tuple(
+            NewArtifact(a.art_id, a.content_id, a.owner, a.ttl_s, a.parent)
+            for a in request.artifacts
+        ),
+    )
+
+
+def _put_reply(result: PutResult, op: PutOp) -> pb.PutArtifactsReply:
+    """The artifacts without the tensors of contents the request carried (the sender has
+    them; a 700-tensor publish's reply would repeat every layout)."""
+    sent = {r.content_id for r in op.replicas}
+    return pb.PutArtifactsReply(
+        artifacts=[
+            artifact_to_pb(a, with_tensors=a.content_id not in sent) for a, _ in result.artifacts
+        ],
+        existed=[e for _, e in result.artifacts],
+        redundant_content_ids=list(result.redundant),
+    )

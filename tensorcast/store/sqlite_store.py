@@ -1,38 +1,92 @@
 """`SqliteStore`: the default Global Store backend, one sqlite file in WAL mode.
 
 Every write commits with `synchronous=FULL`, so a record acknowledged to a caller survives a crash
-of the store process (and of the machine). One lock serialises access: control-plane rates are low.
+of the store process (and of the machine). Writes share one connection under one lock and commit
+in groups (`write`): callers that arrive while a commit is in progress queue up, and the next of
+them to take the lock runs every queued write in one transaction, each in its own savepoint (a
+failing one changes nothing and fails alone), so one fsync serves them all and throughput grows
+with the number of callers. Reads use a connection per thread and never wait for writers; each
+sees only committed transactions, so no listing shows part of a batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import sqlite_utils
 
-from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S
-from tensorcast.errors import AlreadyExists, IntegrityError, InvalidArgument, NotFound
+from tensorcast.config import DEFAULT_UNREFERENCED_GRACE_S, fault_injection
+from tensorcast.errors import (
+    AlreadyExists,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    TensorcastError,
+    Unavailable,
+)
 from tensorcast.store.base import (
     DEAD_WORKER_RETENTION_S,
     RECONCILE_GRACE_S,
     ContentInfo,
+    GetOp,
+    NewArtifact,
+    NewReplica,
+    OpResult,
+    PutOp,
+    PutResult,
+    StoreOp,
     WorkerRegistration,
+    check_batch,
+    check_owner,
     check_same_layout,
+    member,
+    page_limit,
     validate_art_id,
 )
 from tensorcast.store.schema import migrate
 from tensorcast.types import (
     OWNER_LEASE,
-    OWNER_SYSTEM,
     ArtifactInfo,
     ReplicaInfo,
     TensorMeta,
     WorkerInfo,
     check_tensor_name,
 )
+
+T = TypeVar("T")
+
+MAX_GROUP = 256  # writes committed together at most
+IN_CHUNK = 500  # ids per `IN (...)` query
+
+
+class _Write:
+    """One queued write: run `fn` in the group's transaction, hand back its result or error."""
+
+    __slots__ = ("done", "error", "fn", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+def prefix_bounds(prefix: str) -> tuple[str, str | None]:
+    """[low, high) of the ids starting with `prefix` in sqlite's (code point) order; high None
+    when there is no simple bound."""
+    if not prefix:
+        return "", None
+    last = ord(prefix[-1]) + 1
+    if last > 0x10FFFF or 0xD800 <= last <= 0xDFFF:
+        return prefix, None
+    return prefix, prefix[:-1] + chr(last)
 
 
 class SqliteStore:
@@ -50,20 +104,136 @@ class SqliteStore:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.schema_version = migrate(self.db)
+        # From here on transactions are explicit (`transaction`, `write`): BEGIN ... COMMIT.
+        conn.isolation_level = None
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.unreferenced_grace_s = unreferenced_grace_s  # a commit's time to be named
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the write connection
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Write] = []
+        self._readers = threading.local()
+        self._reader_conns: list[sqlite3.Connection] = []
+        self._closed = False
+        self.faults = fault_injection()
+        self._exit_after_commit = False
+        # Commits and the writes they carried (group commit at work: writes / commits > 1).
+        self.commits = 0
+        self.writes = 0
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self.db.conn.close()
+            with self._queue_lock:
+                for conn in self._reader_conns:
+                    conn.close()
+                self._reader_conns.clear()
+
+    # -- transactions ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One transaction of its own on the write connection (rare writes: registration,
+        sweeps, shard leases)."""
+        with self._lock:
+            self._begin()
+            try:
+                yield
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self._commit(1)
+
+    def write(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (statements on `self.db`) in a transaction, committed together with the
+        writes other threads queued meanwhile (group commit). Durable when this returns; a
+        failing `fn` changes nothing and fails alone."""
+        op = _Write(fn)
+        self._write_all([op])
+        if op.error is not None:
+            raise op.error
+        return op.value
+
+    def _write_all(self, ops: list[_Write]) -> None:
+        """Queue `ops` together and wait until each is done (run by whoever leads)."""
+        with self._queue_lock:
+            self._queue.extend(ops)
+        for op in ops:
+            while not op.done:
+                with self._lock:
+                    if op.done:
+                        break
+                    with self._queue_lock:
+                        group = self._queue[:MAX_GROUP]
+                        del self._queue[:MAX_GROUP]
+                    self._run_group(group)
+
+    def _begin(self) -> None:
+        if self._closed:
+            raise Unavailable("the Global Store is shutting down")
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def _commit(self, writes: int) -> None:
+        self.db.execute("COMMIT")
+        self.commits += 1
+        self.writes += writes
+
+    def _run_group(self, group: list[_Write]) -> None:
+        try:
+            self._begin()
+            for op in group:
+                self.db.execute("SAVEPOINT w")
+                try:
+                    op.value = op.fn()
+                except BaseException as e:  # this write fails alone
+                    self.db.execute("ROLLBACK TO w")
+                    op.error = e
+                self.db.execute("RELEASE w")
+            self._commit(len(group))
+            if self._exit_after_commit:
+                os._exit(70)  # test hook (store_exit_after_commit): committed, never answered
+        except BaseException as e:
+            if self.db.conn.in_transaction:
+                self.db.execute("ROLLBACK")
+            failed = (
+                e if isinstance(e, TensorcastError) else Unavailable(f"store write failed: {e}")
+            )
+            for op in group:
+                if op.error is None:
+                    op.value, op.error = None, failed
+        finally:
+            for op in group:
+                op.done = True
+
+    def _reader(self) -> sqlite3.Connection:
+        """This thread's read connection (WAL: reads see committed data, never wait)."""
+        conn = getattr(self._readers, "conn", None)
+        if conn is None:
+            if self._closed:
+                raise Unavailable("the Global Store is shutting down")
+            conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
+            conn.isolation_level = None
+            self._readers.conn = conn
+            with self._queue_lock:
+                self._reader_conns.append(conn)
+        return conn
+
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: every query inside sees the same committed state."""
+        conn = self._reader()
+        conn.execute("BEGIN")
+        try:
+            yield conn
+        finally:
+            conn.execute("COMMIT")
 
     # -- workers -------------------------------------------------------------------------------
 
     def register_worker(self, reg: WorkerRegistration, now: float) -> None:
         """Record a worker. A name belongs to one live worker at a time: a second process under
         the name of a worker that still heartbeats is refused (AlreadyExists)."""
-        with self._lock, self.db.conn:
+        with self.transaction():
             twin = self.db.execute(
                 "SELECT addr, pid, last_heartbeat FROM workers WHERE name = ? AND worker_id != ? "
                 "AND last_heartbeat >= ?",
@@ -75,29 +245,28 @@ class SqliteStore:
                     f"{now - twin[2]:.1f}s ago: stop it first (tc worker stop), choose another "
                     f"--name, or, if it died, start again after {self.heartbeat_ttl_s:.0f}s"
                 )
-            self.db.table("workers").upsert(
-                {
-                    "worker_id": reg.worker_id,
-                    "name": reg.name,
-                    "addr": reg.addr,
-                    "host_id": reg.host_id,
-                    "local_socket": reg.local_socket,
-                    "roles": json.dumps(list(reg.roles)),
-                    "mem_cap_bytes": reg.mem_cap_bytes,
-                    "mem_used_bytes": 0,
-                    "pid": reg.pid,
-                    "registered_at": now,
-                    "last_heartbeat": now,
-                    "data_addr": reg.data_addr,
-                    "active_transfers": 0,
-                    "transfer_bytes_total": 0,
-                    "disk_used_bytes": 0,
-                },
-                pk="worker_id",
+            self.db.execute(
+                "INSERT OR REPLACE INTO workers (worker_id, name, addr, host_id, local_socket, "
+                "roles, mem_cap_bytes, mem_used_bytes, pid, registered_at, last_heartbeat, "
+                "data_addr, active_transfers, transfer_bytes_total, disk_used_bytes) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, 0, 0, 0)",
+                [
+                    reg.worker_id,
+                    reg.name,
+                    reg.addr,
+                    reg.host_id,
+                    reg.local_socket,
+                    json.dumps(list(reg.roles)),
+                    reg.mem_cap_bytes,
+                    reg.pid,
+                    now,
+                    now,
+                    reg.data_addr,
+                ],
             )
 
     def deregister_worker(self, worker_id: str) -> None:
-        with self._lock, self.db.conn:
+        with self.transaction():
             self.db.execute("DELETE FROM replicas WHERE worker_id = ?", [worker_id])
             self.db.execute("DELETE FROM workers WHERE worker_id = ?", [worker_id])
 
@@ -114,7 +283,7 @@ class SqliteStore:
         disk_used_bytes: int = 0,
         file_content_ids: frozenset[str] = frozenset(),
     ) -> list[str]:
-        with self._lock, self.db.conn:
+        def beat() -> list[str]:
             cursor = self.db.execute(
                 "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ?, active_transfers = ?, "
                 "transfer_bytes_total = ?, disk_used_bytes = ? WHERE worker_id = ?",
@@ -134,7 +303,7 @@ class SqliteStore:
                 | {(c, "disk") for c in disk_content_ids}
                 | {(c, "file") for c in file_content_ids}
             )
-            known = self._known_contents([c for c, _ in held])
+            known = self._known_contents(self.db.conn, [c for c, _ in held])
             for content_id, tier in held:
                 if content_id in known:
                     self.db.execute(
@@ -156,22 +325,31 @@ class SqliteStore:
                     )
             return sorted({c for c, _ in held} - known)
 
-    def _known_contents(self, content_ids: list[str]) -> set[str]:
+        return self.write(beat)
+
+    @staticmethod
+    def _known_contents(conn: sqlite3.Connection, content_ids: list[str]) -> set[str]:
         known: set[str] = set()
-        for start in range(0, len(content_ids), 500):
-            batch = content_ids[start : start + 500]
+        for start in range(0, len(content_ids), IN_CHUNK):
+            batch = content_ids[start : start + IN_CHUNK]
             marks = ",".join("?" * len(batch))
-            rows = self.db.execute(
+            rows = conn.execute(
                 f"SELECT content_id FROM contents WHERE content_id IN ({marks})", batch
             )
             known.update(r[0] for r in rows)
         return known
 
     def list_workers(self, now: float) -> list[WorkerInfo]:
-        with self._lock:
-            rows = list(self.db.table("workers").rows_where(order_by="name, worker_id"))
+        with self._snapshot() as conn:
+            conn.row_factory = sqlite3.Row
+            try:
+                rows = [
+                    dict(r) for r in conn.execute("SELECT * FROM workers ORDER BY name, worker_id")
+                ]
+            finally:
+                conn.row_factory = None
             counts = dict(
-                self.db.execute("SELECT worker_id, COUNT(*) FROM replicas GROUP BY worker_id")
+                conn.execute("SELECT worker_id, COUNT(*) FROM replicas GROUP BY worker_id")
             )
         return [self._worker(r, now, counts.get(r["worker_id"], 0)) for r in rows]
 
@@ -213,34 +391,10 @@ class SqliteStore:
             raise InvalidArgument(f"unknown replica tier {tier!r}")
         for t in tensors:
             check_tensor_name(t.name)
-        with self._lock, self.db.conn:
-            if not self.db.execute(
-                "SELECT 1 FROM workers WHERE worker_id = ?", [worker_id]
-            ).fetchone():
-                raise NotFound(f"worker {worker_id} is not registered")
-            layout = json.dumps([t.to_json() for t in tensors])
-            row = self.db.execute(
-                "SELECT tensors FROM contents WHERE content_id = ?", [content_id]
-            ).fetchone()
-            if row is None:
-                self.db.execute(
-                    "INSERT INTO contents VALUES (?, ?, ?, ?)",
-                    [content_id, size_bytes, layout, now],
-                )
-            elif all(t.hash_hex for t in tensors):
-                stored = [TensorMeta.from_json(t) for t in json.loads(row[0])]
-                if not all(t.hash_hex for t in stored):
-                    check_same_layout(content_id, stored, tensors)
-                    self.db.execute(
-                        "UPDATE contents SET tensors = ? WHERE content_id = ?",
-                        [layout, content_id],
-                    )
-                elif {t.name: t.hash_hex for t in stored} != {t.name: t.hash_hex for t in tensors}:
-                    # A by-reference content read again from files that changed in place.
-                    raise IntegrityError(
-                        f"content {content_id}: this replica's bytes differ from the recorded "
-                        "ones; not registered"
-                    )
+
+        def add() -> None:
+            self._check_worker(worker_id)
+            self._record_content(content_id, size_bytes, tensors, now)
             self.db.execute(
                 "INSERT OR IGNORE INTO replicas (content_id, worker_id, tier, created_at) "
                 "VALUES (?, ?, ?, ?)",
@@ -253,45 +407,105 @@ class SqliteStore:
                     [content_id, reference, now, worker_id],
                 )
 
+        self.write(add)
+
+    def _check_worker(self, worker_id: str) -> None:
+        if not self.db.execute("SELECT 1 FROM workers WHERE worker_id = ?", [worker_id]).fetchone():
+            raise NotFound(f"worker {worker_id} is not registered")
+
+    def _record_content(
+        self, content_id: str, size_bytes: int, tensors: tuple[TensorMeta, ...], now: float
+    ) -> bool:
+        """Insert a content's record, or check a replica's hashes against it (filling them in
+        for a by-reference content read for the first time). Returns whether it was new."""
+        layout = json.dumps([t.to_json() for t in tensors])
+        if self.db.conn.execute(
+            "INSERT INTO contents VALUES (?, ?, ?, ?) ON CONFLICT (content_id) DO NOTHING",
+            [content_id, size_bytes, layout, now],
+        ).rowcount:
+            return True
+        if all(t.hash_hex for t in tensors):
+            row = self.db.conn.execute(
+                "SELECT tensors FROM contents WHERE content_id = ?", [content_id]
+            ).fetchone()
+            stored = [TensorMeta.from_json(t) for t in json.loads(row[0])]
+            if not all(t.hash_hex for t in stored):
+                check_same_layout(content_id, stored, tensors)
+                self.db.conn.execute(
+                    "UPDATE contents SET tensors = ? WHERE content_id = ?", [layout, content_id]
+                )
+            elif {t.name: t.hash_hex for t in stored} != {t.name: t.hash_hex for t in tensors}:
+                # A by-reference content read again from files that changed in place.
+                raise IntegrityError(
+                    f"content {content_id}: this replica's bytes differ from the recorded "
+                    "ones; not registered"
+                )
+        return False
+
     def list_references(self, host_id: str) -> list[tuple[str, str]]:
         """(content id, spec) of the files registered by reference on `host_id` whose content
         an artifact still names."""
-        with self._lock:
-            return [
-                (r[0], r[1])
-                for r in self.db.execute(
-                    "SELECT f.content_id, f.spec FROM file_references f JOIN contents c "
-                    "USING (content_id) WHERE f.host_id = ? ORDER BY f.created_at",
-                    [host_id],
-                )
-            ]
+        return [
+            (r[0], r[1])
+            for r in self._reader().execute(
+                "SELECT f.content_id, f.spec FROM file_references f JOIN contents c "
+                "USING (content_id) WHERE f.host_id = ? ORDER BY f.created_at",
+                [host_id],
+            )
+        ]
 
     def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None:
-        with self._lock, self.db.conn:
+        def remove() -> None:
             self.db.execute(
                 "DELETE FROM replicas WHERE worker_id = ? AND content_id = ? "
                 "AND (? = '' OR tier = ?)",
                 [worker_id, content_id, tier, tier],
             )
 
+        self.write(remove)
+
     def find_content(self, content_id: str, now: float) -> ContentInfo | None:
-        with self._lock:
-            row = self.db.execute(
+        with self._snapshot() as conn:
+            row = conn.execute(
                 "SELECT size_bytes, tensors FROM contents WHERE content_id = ?", [content_id]
             ).fetchone()
             if row is None:
                 return None
-            replicas = self._live_replicas(content_id, now)
+            replicas = self._live_replicas(conn, [content_id], now)[content_id]
         tensors = tuple(TensorMeta.from_json(t) for t in json.loads(row[1]))
         return ContentInfo(content_id, row[0], tensors, replicas)
 
-    def _live_replicas(self, content_id: str, now: float) -> tuple[ReplicaInfo, ...]:
-        rows = self.db.execute(
-            "SELECT r.worker_id, r.tier, r.pinned FROM replicas r JOIN workers w USING (worker_id) "
-            "WHERE r.content_id = ? AND w.last_heartbeat >= ? ORDER BY r.created_at",
-            [content_id, now - self.heartbeat_ttl_s],
-        ).fetchall()
-        return tuple(ReplicaInfo(w, t, bool(p)) for w, t, p in rows)
+    def held_contents(self, content_ids: list[str], now: float) -> set[str]:
+        conn = self._reader()
+        held: set[str] = set()
+        for start in range(0, len(content_ids), IN_CHUNK):
+            batch = content_ids[start : start + IN_CHUNK]
+            marks = ",".join("?" * len(batch))
+            rows = conn.execute(
+                "SELECT DISTINCT r.content_id FROM replicas r JOIN workers w USING (worker_id) "
+                f"WHERE r.content_id IN ({marks}) AND w.last_heartbeat >= ?",
+                [*batch, now - self.heartbeat_ttl_s],
+            )
+            held.update(r[0] for r in rows)
+        return held
+
+    def _live_replicas(
+        self, conn: sqlite3.Connection, content_ids: list[str], now: float
+    ) -> dict[str, tuple[ReplicaInfo, ...]]:
+        """Live replicas of each content, oldest first."""
+        found: dict[str, list[ReplicaInfo]] = {c: [] for c in content_ids}
+        unique = list(found)
+        for start in range(0, len(unique), IN_CHUNK):
+            batch = unique[start : start + IN_CHUNK]
+            marks = ",".join("?" * len(batch))
+            for content_id, worker_id, tier, pinned in conn.execute(
+                "SELECT r.content_id, r.worker_id, r.tier, r.pinned FROM replicas r "
+                f"JOIN workers w USING (worker_id) WHERE r.content_id IN ({marks}) "
+                "AND w.last_heartbeat >= ? ORDER BY r.created_at, r.rowid",
+                [*batch, now - self.heartbeat_ttl_s],
+            ):
+                found[content_id].append(ReplicaInfo(worker_id, tier, bool(pinned)))
+        return {c: tuple(rs) for c, rs in found.items()}
 
     # -- artifacts -----------------------------------------------------------------------------
 
@@ -299,94 +513,312 @@ class SqliteStore:
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str, now: float
     ) -> tuple[ArtifactInfo, bool]:
         validate_art_id(art_id)
-        if owner not in (OWNER_SYSTEM, OWNER_LEASE):
-            raise InvalidArgument(f"bad owner {owner!r}: use 'system' or 'lease'")
-        if owner == OWNER_LEASE and not ttl_s > 0:
-            raise InvalidArgument("a caller-leased artifact needs ttl_s > 0")
-        with self._lock, self.db.conn:
+        check_owner(owner, ttl_s)
+
+        def create() -> tuple[ArtifactInfo, bool]:
             self._expire(now)
-            existing = self.db.execute(
-                "SELECT content_id FROM artifacts WHERE art_id = ?", [art_id]
-            ).fetchone()
-            if existing is not None:
-                if existing[0] != content_id:
-                    raise AlreadyExists(
-                        f"artifact {art_id!r} already exists with different content "
-                        "(artifacts are immutable): choose a new id, e.g. a version suffix @v2"
+            existed = self._create(art_id, content_id, owner, ttl_s, parent, now, "")
+            return self._artifact(self.db.conn, art_id, now), existed
+
+        return self.write(create)
+
+    def _create(
+        self,
+        art_id: str,
+        content_id: str,
+        owner: str,
+        ttl_s: float,
+        parent: str,
+        now: float,
+        who: str,
+    ) -> bool:
+        """Insert one artifact (inside a write); returns whether it existed with this content.
+        `who` names the batch member in errors."""
+        expires_at = now + ttl_s if owner == OWNER_LEASE else None
+        try:
+            if self.db.conn.execute(
+                "INSERT INTO artifacts VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (art_id) DO NOTHING",
+                [art_id, content_id, owner, now, expires_at, parent],
+            ).rowcount:
+                return False
+        except sqlite3.IntegrityError:  # the foreign key: no such content
+            raise NotFound(
+                f"{who or f'artifact {art_id!r}'}: content {content_id} is not held by any worker"
+            ) from None
+        existing = self.db.conn.execute(
+            "SELECT content_id FROM artifacts WHERE art_id = ?", [art_id]
+        ).fetchone()
+        if existing[0] != content_id:
+            raise AlreadyExists(
+                f"{who or f'artifact {art_id!r}'} already exists with different content "
+                "(artifacts are immutable): choose a new id, e.g. a version suffix @v2"
+            )
+        return True
+
+    def put_artifacts(
+        self,
+        worker_id: str,
+        replicas: list[NewReplica],
+        artifacts: list[NewArtifact],
+        now: float,
+    ) -> PutResult:
+        return self.write(self._put_fn(worker_id, replicas, artifacts, now))
+
+    def _put_fn(
+        self,
+        worker_id: str,
+        replicas: list[NewReplica],
+        artifacts: list[NewArtifact],
+        now: float,
+    ) -> Callable[[], PutResult]:
+        """The write of `put_artifacts` (checked first: raises on a bad member)."""
+        check_batch(replicas, artifacts)
+        faults = self.faults
+
+        def put() -> PutResult:
+            redundant = []
+            if replicas:
+                self._check_worker(worker_id)
+            self._expire(now)
+            live = now - self.heartbeat_ttl_s
+            fresh: dict[str, NewReplica] = {}  # contents new to the store, held here only
+            for r in replicas:
+                if self._record_content(r.content_id, r.size_bytes, r.tensors, now):
+                    self.db.conn.execute(  # new here: nobody else can hold it yet
+                        "INSERT INTO replicas (content_id, worker_id, tier, created_at) "
+                        "VALUES (?, ?, 'cpu', ?)",
+                        [r.content_id, worker_id, now],
                     )
-                existed = True
-            else:
-                if not self.db.execute(
-                    "SELECT 1 FROM contents WHERE content_id = ?", [content_id]
-                ).fetchone():
-                    raise NotFound(f"content {content_id} is not held by any worker")
+                    fresh[r.content_id] = r
+                    continue
+                mine = self.db.execute(
+                    "SELECT 1 FROM replicas WHERE content_id = ? AND worker_id = ?",
+                    [r.content_id, worker_id],
+                ).fetchone()
+                elsewhere = self.db.execute(
+                    "SELECT 1 FROM replicas r JOIN workers w USING (worker_id) "
+                    "WHERE r.content_id = ? AND r.worker_id != ? AND w.last_heartbeat >= ? "
+                    "LIMIT 1",
+                    [r.content_id, worker_id, live],
+                ).fetchone()
+                if elsewhere is not None and mine is None:
+                    redundant.append(r.content_id)  # stored once: the worker frees its copy
+                    continue
                 self.db.execute(
-                    "INSERT INTO artifacts VALUES (?, ?, ?, ?, ?, ?)",
-                    [
-                        art_id,
-                        content_id,
-                        owner,
-                        now,
-                        now + ttl_s if owner == OWNER_LEASE else None,
-                        parent,
-                    ],
+                    "INSERT OR IGNORE INTO replicas (content_id, worker_id, tier, created_at) "
+                    "VALUES (?, ?, 'cpu', ?)",
+                    [r.content_id, worker_id, now],
                 )
-                existed = False
-            return self._artifact(art_id, now), existed
+            existed = [
+                self._create(
+                    a.art_id,
+                    a.content_id,
+                    a.owner,
+                    a.ttl_s,
+                    a.parent,
+                    now,
+                    member(i, a.art_id, len(artifacts)),
+                )
+                for i, a in enumerate(artifacts)
+            ]
+            # Created here naming a content new here: everything is known, nothing to read.
+            infos = {
+                a.art_id: ArtifactInfo(
+                    art_id=a.art_id,
+                    content_id=a.content_id,
+                    owner=a.owner,
+                    size_bytes=fresh[a.content_id].size_bytes,
+                    tensors=fresh[a.content_id].tensors,
+                    created_at=now,
+                    expires_at=now + a.ttl_s if a.owner == OWNER_LEASE else None,
+                    parent=a.parent,
+                    replicas=(ReplicaInfo(worker_id, "cpu", False),),
+                )
+                for a, e in zip(artifacts, existed)
+                if not e and a.content_id in fresh
+            }
+            others = [a.art_id for a in artifacts if a.art_id not in infos]
+            if others:
+                layouts = {r.content_id: r.tensors for r in replicas}
+                infos.update(self._artifacts(self.db.conn, others, now, layouts))
+            if 0 < faults.store_exit_in_batch <= len(artifacts):
+                os._exit(70)  # test hook: die with the batch written but not committed
+            if 0 < faults.store_exit_after_commit <= len(artifacts):
+                self._exit_after_commit = True  # test hook: die once it is committed
+            return PutResult(
+                tuple((infos[a.art_id], e) for a, e in zip(artifacts, existed)),
+                tuple(redundant),
+            )
+
+        return put
 
     def get_artifact(self, art_id: str, now: float) -> ArtifactInfo:
-        with self._lock:
-            return self._artifact(art_id, now)
+        with self._snapshot() as conn:
+            return self._artifact(conn, art_id, now)
 
-    def _artifact(self, art_id: str, now: float) -> ArtifactInfo:
-        row = self.db.execute(
-            "SELECT a.content_id, a.owner, a.created_at, a.expires_at, a.parent, "
-            "c.size_bytes, c.tensors FROM artifacts a JOIN contents c USING (content_id) "
-            "WHERE a.art_id = ?",
-            [art_id],
-        ).fetchone()
-        if row is None or (row[3] is not None and row[3] <= now):
+    def _artifact(self, conn: sqlite3.Connection, art_id: str, now: float) -> ArtifactInfo:
+        found = self._artifacts(conn, [art_id], now)
+        if art_id not in found:
             raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
-        content_id, owner, created_at, expires_at, parent, size_bytes, tensors = row
-        return ArtifactInfo(
-            art_id=art_id,
-            content_id=content_id,
-            owner=owner,
-            size_bytes=size_bytes,
-            tensors=tuple(TensorMeta.from_json(t) for t in json.loads(tensors)),
-            created_at=created_at,
-            expires_at=expires_at,
-            parent=parent or "",
-            replicas=self._live_replicas(content_id, now),
-        )
+        return found[art_id]
+
+    def _artifacts(
+        self,
+        conn: sqlite3.Connection,
+        art_ids: list[str],
+        now: float,
+        layouts: dict[str, tuple[TensorMeta, ...]] | None = None,
+    ) -> dict[str, ArtifactInfo]:
+        """The live ones of `art_ids`, with tensors (those of `layouts` as given: just
+        recorded) and live replicas."""
+        rows = []
+        for start in range(0, len(art_ids), IN_CHUNK):
+            batch = list(dict.fromkeys(art_ids[start : start + IN_CHUNK]))
+            marks = ",".join("?" * len(batch))
+            rows += conn.execute(
+                "SELECT a.art_id, a.content_id, a.owner, a.created_at, a.expires_at, a.parent, "
+                "c.size_bytes, c.tensors, 0 FROM artifacts a JOIN contents c USING (content_id) "
+                f"WHERE a.art_id IN ({marks}) AND (a.expires_at IS NULL OR a.expires_at > ?)",
+                [*batch, now],
+            ).fetchall()
+        return {a.art_id: a for a in self._infos(conn, rows, now, True, layouts)}
+
+    def _infos(
+        self,
+        conn: sqlite3.Connection,
+        rows: list,
+        now: float,
+        with_tensors: bool,
+        known: dict[str, tuple[TensorMeta, ...]] | None = None,
+    ) -> list[ArtifactInfo]:
+        replicas = self._live_replicas(conn, [r[1] for r in rows], now)
+        layouts: dict[str, tuple[TensorMeta, ...]] = dict(known or {})
+        infos = []
+        for art_id, content_id, owner, created_at, expires_at, parent, size, tensors, n in rows:
+            metas: tuple[TensorMeta, ...] = ()
+            if with_tensors:
+                metas = layouts.get(content_id) or tuple(
+                    TensorMeta.from_json(t) for t in json.loads(tensors)
+                )
+                layouts[content_id] = metas
+            infos.append(
+                ArtifactInfo(
+                    art_id=art_id,
+                    content_id=content_id,
+                    owner=owner,
+                    size_bytes=size,
+                    tensors=metas,
+                    created_at=created_at,
+                    expires_at=expires_at,
+                    parent=parent or "",
+                    replicas=replicas[content_id],
+                    num_tensors=len(metas) if with_tensors else n,
+                )
+            )
+        return infos
 
     def list_artifacts(self, prefix: str, now: float) -> list[ArtifactInfo]:
-        with self._lock:
-            ids = [
-                r[0]
-                for r in self.db.execute(
-                    "SELECT art_id FROM artifacts WHERE substr(art_id, 1, ?) = ? "
-                    "AND (expires_at IS NULL OR expires_at > ?) ORDER BY art_id",
-                    [len(prefix), prefix, now],
-                )
-            ]
-            return [self._artifact(art_id, now) for art_id in ids]
+        infos, after = self.list_artifact_page(prefix, "", 0, now, with_tensors=True)
+        while after:
+            page, after = self.list_artifact_page(prefix, after, 0, now, with_tensors=True)
+            infos += page
+        return infos
+
+    def list_artifact_page(
+        self,
+        prefix: str,
+        after: str,
+        limit: int,
+        now: float,
+        with_tensors: bool = False,
+        delimiter: str = "",
+    ) -> tuple[list[ArtifactInfo], str]:
+        limit = page_limit(limit)
+        low, high = prefix_bounds(prefix)
+        where = ["a.art_id > ?" if after >= low else "a.art_id >= ?"]
+        args: list[Any] = [max(after, low)]
+        if high is not None:
+            where.append("a.art_id < ?")
+            args.append(high)
+        if prefix:
+            where.append("substr(a.art_id, 1, ?) = ?")
+            args += [len(prefix), prefix]
+        if delimiter:
+            where.append("instr(substr(a.art_id, ?), ?) = 0")
+            args += [len(prefix) + 1, delimiter]
+        where.append("(a.expires_at IS NULL OR a.expires_at > ?)")
+        args += [now, limit + 1]
+        with self._snapshot() as conn:
+            rows = conn.execute(
+                "SELECT a.art_id, a.content_id, a.owner, a.created_at, a.expires_at, a.parent, "
+                "c.size_bytes, "
+                + ("c.tensors, 0" if with_tensors else "'', json_array_length(c.tensors)")
+                + " FROM artifacts a JOIN contents c "
+                "USING (content_id) WHERE " + " AND ".join(where) + " ORDER BY a.art_id LIMIT ?",
+                args,
+            ).fetchall()
+            more = len(rows) > limit
+            rows = rows[:limit]
+            infos = self._infos(conn, rows, now, with_tensors)
+        return infos, (rows[-1][0] if more else "")
 
     def delete_artifact(self, art_id: str, now: float) -> None:
-        with self._lock, self.db.conn:
+        self.delete_artifacts([art_id], now)
+
+    def delete_artifacts(self, art_ids: list[str], now: float, missing_ok: bool = False) -> int:
+        return self.write(self._delete_fn(art_ids, now, missing_ok))
+
+    def _delete_fn(self, art_ids: list[str], now: float, missing_ok: bool) -> Callable[[], int]:
+        def delete() -> int:
             self._expire(now)
-            row = self.db.execute(
-                "SELECT content_id FROM artifacts WHERE art_id = ?", [art_id]
-            ).fetchone()
-            if row is None:
-                raise NotFound(f"no artifact {art_id!r} (see `tc ls`)")
-            self.db.execute("DELETE FROM artifacts WHERE art_id = ?", [art_id])
-            self._drop_if_unreferenced(row[0])
+            contents: dict[str, None] = {}
+            deleted = 0
+            for i, art_id in enumerate(art_ids):
+                row = self.db.execute(
+                    "SELECT content_id FROM artifacts WHERE art_id = ?", [art_id]
+                ).fetchone()
+                if row is None:
+                    if missing_ok:
+                        continue
+                    who = member(i, art_id, len(art_ids)) + ": " if len(art_ids) > 1 else ""
+                    raise NotFound(f"{who}no artifact {art_id!r} (see `tc ls`)")
+                self.db.execute("DELETE FROM artifacts WHERE art_id = ?", [art_id])
+                contents[row[0]] = None
+                deleted += 1
+            for content_id in contents:
+                self._drop_if_unreferenced(content_id)
+            return deleted
+
+        return delete
+
+    def run_batch(self, ops: list[StoreOp], now: float) -> list[OpResult]:
+        results: list[OpResult | None] = [None] * len(ops)
+        writes: list[tuple[int, _Write]] = []
+        for i, op in enumerate(ops):
+            try:
+                if isinstance(op, GetOp):
+                    results[i] = self.get_artifact(op.art_id, now)
+                elif isinstance(op, PutOp):
+                    put = self._put_fn(op.worker_id, list(op.replicas), list(op.artifacts), now)
+                    writes.append((i, _Write(put)))
+                else:
+                    delete = self._delete_fn(list(op.art_ids), now, op.missing_ok)
+                    writes.append((i, _Write(delete)))
+            except TensorcastError as e:
+                results[i] = e
+        self._write_all([w for _, w in writes])  # one transaction, most of the time
+        for i, w in writes:
+            error = w.error
+            if error is not None and not isinstance(error, TensorcastError):
+                error = Unavailable(f"store write failed: {error}")
+            results[i] = error if error is not None else w.value
+        return [r for r in results if r is not None]
 
     def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo:
         if not ttl_s > 0:
             raise InvalidArgument("ttl_s must be > 0")
-        with self._lock, self.db.conn:
+
+        def renew() -> ArtifactInfo:
             self._expire(now)
             row = self.db.execute(
                 "SELECT owner FROM artifacts WHERE art_id = ?", [art_id]
@@ -398,7 +830,9 @@ class SqliteStore:
             self.db.execute(
                 "UPDATE artifacts SET expires_at = ? WHERE art_id = ?", [now + ttl_s, art_id]
             )
-            return self._artifact(art_id, now)
+            return self._artifact(self.db.conn, art_id, now)
+
+        return self.write(renew)
 
     # -- expiry and garbage collection ---------------------------------------------------------
 
@@ -421,7 +855,7 @@ class SqliteStore:
             self._drop_if_unreferenced(content_id)
 
     def sweep(self, now: float) -> None:
-        with self._lock, self.db.conn:
+        with self.transaction():
             self._expire(now)
             dead_before = now - self.heartbeat_ttl_s
             self.db.execute(
@@ -449,8 +883,11 @@ class SqliteStore:
             )
 
     def counts(self) -> tuple[int, int]:
-        with self._lock:
-            return self.db.table("artifacts").count, self.db.table("contents").count
+        conn = self._reader()
+        return (
+            conn.execute("SELECT COUNT(*) FROM artifacts").fetchone()[0],
+            conn.execute("SELECT COUNT(*) FROM contents").fetchone()[0],
+        )
 
     def describe(self) -> str:
         return str(self.path)

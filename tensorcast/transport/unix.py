@@ -1,7 +1,9 @@
 """Framing for the same-host socket between callers and their worker.
 
 A message is a 4-byte little-endian length and a JSON object; a file descriptor may ride along
-(SCM_RIGHTS) so callers can map the worker's pool. Sockets live in the abstract namespace, which is
+(SCM_RIGHTS) so callers can map the worker's pool. A message whose JSON has `"blob": N` is
+followed by N raw bytes (small tensors put inline, without a region to map), handed to the
+receiver as `message["blob"]` (a bytearray). Sockets live in the abstract namespace, which is
 per network namespace, just like "same host" for the data plane.
 """
 
@@ -30,15 +32,27 @@ def page_socket_name(local_socket: str) -> str:
 MAX_FDS = 2  # a worker's hello hands over its pool and its page directory
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+def send_message(
+    sock: socket.socket,
+    message: dict[str, Any],
+    fds: tuple[int, ...] = (),
+    blob: bytes | bytearray | memoryview | None = None,
+) -> None:
+    if blob is not None:
+        message = {**message, "blob": len(blob)}
     body = json.dumps(message, separators=(",", ":")).encode()
-    if len(body) > MAX_MESSAGE_BYTES:
+    if len(body) + (len(blob) if blob is not None else 0) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
     data = _LEN.pack(len(body)) + body
     if fds:
         sent = socket.send_fds(sock, [data], list(fds))
         data = data[sent:]
+    if blob is not None and len(blob) <= 256 * 1024:
+        data += blob  # one send: a copy of a small blob costs less than a second syscall
+        blob = None
     sock.sendall(data)
+    if blob is not None:
+        sock.sendall(blob)
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -52,19 +66,44 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(parts)
 
 
+FIRST_READ_BYTES = 64 * 1024  # a small message (and its blob) usually arrives in one read
+
+
 def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One message and any descriptors that came with it. Raises ConnectionError on EOF."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS)
-    if not head:
+    """One message and any descriptors that came with it. Raises ConnectionError on EOF.
+
+    The first read may take more than the message's header: the protocol is strictly one
+    request, then its reply, so nothing of a next message can be in the socket yet."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, FIRST_READ_BYTES, MAX_FDS)
+    if not data:
         raise ConnectionResetError("peer closed the connection")
-    if len(head) < _LEN.size:
-        head += _recv_exact(sock, _LEN.size - len(head))
-    (length,) = _LEN.unpack(head)
+    if len(data) < _LEN.size:
+        data += _recv_exact(sock, _LEN.size - len(data))
+    (length,) = _LEN.unpack_from(data)
     if length > MAX_MESSAGE_BYTES:
         raise ConnectionResetError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
-    message = json.loads(_recv_exact(sock, length))
+    end = _LEN.size + length
+    if len(data) < end:
+        data += _recv_exact(sock, end - len(data))
+    message = json.loads(data[_LEN.size : end])
     if not isinstance(message, dict):
         raise ConnectionResetError("malformed message")
+    blob_bytes = message.get("blob")
+    if blob_bytes is not None:
+        if not isinstance(blob_bytes, int) or not 0 <= blob_bytes <= MAX_MESSAGE_BYTES - length:
+            raise ConnectionResetError("malformed message: bad blob length")
+        blob = bytearray(blob_bytes)
+        view = memoryview(blob)
+        got = min(len(data) - end, blob_bytes)
+        view[:got] = data[end : end + got]
+        while got < blob_bytes:
+            n = sock.recv_into(view[got:], min(blob_bytes - got, 1 << 20))
+            if not n:
+                raise ConnectionResetError("peer closed the connection")
+            got += n
+        message["blob"] = blob
+    elif len(data) > end:
+        raise ConnectionResetError("malformed message: bytes after its end")
     return message, list(fds)
 
 

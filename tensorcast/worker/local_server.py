@@ -14,7 +14,15 @@ from dataclasses import asdict
 from typing import Any
 
 from tensorcast.config import token_accepted
-from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unauthenticated
+from tensorcast.errors import (
+    InvalidArgument,
+    NotFound,
+    TensorcastError,
+    Unauthenticated,
+    public_name,
+)
+from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.rpc.convert import artifact_from_pb
 from tensorcast.transport.unix import recv_message, send_message, socket_address
 from tensorcast.types import TensorMeta
 from tensorcast.worker.gpu_tier import GpuTier, TierEntry
@@ -94,7 +102,7 @@ class LocalServer:
 
 
 def _error(e: TensorcastError) -> dict[str, Any]:
-    return {"ok": False, "error": type(e).__name__, "message": str(e)}
+    return {"ok": False, "error": public_name(e), "message": str(e)}
 
 
 class _Session:
@@ -148,6 +156,47 @@ class _Session:
                 "tensors": [t.to_json() for t in committed.tensors],
                 "deduplicated": committed.deduplicated,
             }
+        if op == "reserve_many":
+            offsets = []
+            try:
+                for size in m["sizes"]:
+                    res = self.node.reserve(int(size))
+                    self.reservations.add(res.reservation_id)
+                    offsets.append([res.reservation_id, res.offset])
+            except BaseException:
+                for reservation_id, _ in offsets:
+                    self.reservations.discard(reservation_id)
+                    pool.abort(reservation_id)
+                raise
+            return {"ok": True, "reservations": offsets}
+        if op == "put":  # write (inline bytes or reservations) and name, one store request
+            items = list(m["items"])
+            for item in items:
+                if "reservation_id" in item:
+                    reservation_id = int(item["reservation_id"])
+                    if reservation_id not in self.reservations:
+                        raise InvalidArgument(
+                            f"reservation {reservation_id} is not this connection's"
+                        )
+            for item in items:  # the node commits or aborts each of them from here on
+                self.reservations.discard(int(item.get("reservation_id", -1)))
+            infos, existed = self.node.put_batch(items, m.get("blob"))
+            return {"ok": True, "artifacts": [a.to_wire() for a in infos], "existed": existed}
+        if op == "info":  # a lookup, coalesced with other callers' requests
+            result = self.node.batcher.call(
+                pb.StoreOp(get=pb.ArtifactRequest(art_id=str(m["art_id"])))
+            )
+            return {"ok": True, "artifact": artifact_from_pb(result.get).to_wire()}
+        if op == "delete":
+            result = self.node.batcher.call(
+                pb.StoreOp(
+                    delete=pb.DeleteArtifactsRequest(
+                        art_ids=[str(a) for a in m["art_ids"]],
+                        missing_ok=bool(m.get("missing_ok")),
+                    )
+                )
+            )
+            return {"ok": True, "deleted": result.delete.deleted}
         if op == "put_reference":
             committed = self.node.register_reference(str(m["path"]))
             return {"ok": True, "content_id": committed.content_id}

@@ -13,21 +13,26 @@ from dataclasses import replace
 
 from tensorcast.config import TLSFiles, host_id
 from tensorcast.errors import (
+    DeadlineExceeded,
     IntegrityError,
+    InvalidArgument,
     NotFound,
     ResourceExhausted,
     TensorcastError,
+    Unavailable,
 )
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import FailoverStub, Stub, make_channel
 from tensorcast.rpc.convert import (
+    artifact_from_pb,
     instance_to_pb,
     shard_table_from_pb,
     tensor_to_pb,
     tensors_from_pb,
 )
-from tensorcast.types import Committed, TensorMeta
+from tensorcast.store.base import member
+from tensorcast.types import ArtifactInfo, Committed, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.file_refs import FileReference, FileReferences, describe
 from tensorcast.worker.handoff import hand_off
@@ -35,6 +40,7 @@ from tensorcast.worker.instances import Instances
 from tensorcast.worker.leases import LeaseCache
 from tensorcast.worker.pages import PageStore
 from tensorcast.worker.pool import Content, Pool, Reservation
+from tensorcast.worker.store_batch import StoreBatcher
 
 log = logging.getLogger("tensorcast.worker")
 
@@ -83,9 +89,12 @@ class WorkerNode:
         self.instances.on_change = self._report_soon
         # One address, or several members of a replicated store ("h1:7400,h2:7400").
         self.tls = tls
+        self.rpc_timeout_s = rpc_timeout_s
         self.store = FailoverStub(
             store_addr, pb_grpc.GlobalStoreStub, "global store", token, rpc_timeout_s, tls
         )
+        # Same-host callers' store requests (puts, lookups, deletes), coalesced.
+        self.batcher = StoreBatcher(self.store, rpc_timeout_s)
         self._stop = threading.Event()
         self.last_heartbeat_ok = time.monotonic()
         self._peers: dict[tuple[str, str], Stub] = {}
@@ -405,6 +414,110 @@ class WorkerNode:
         return Committed(
             content.content_id, content.size_bytes, content.tensors, result.deduplicated
         )
+
+    def put_batch(
+        self, items: list[dict], blob: bytearray | None = None
+    ) -> tuple[list[ArtifactInfo], list[bool]]:
+        """Write and name artifacts for a same-host caller with ONE Global Store request
+        (PutArtifacts: one transaction, all or nothing). Each item names its artifact
+        (`art_id`, `owner`, `ttl_s`, `parent`) and its content, one of: bytes inline
+        (`blob_offset` into `blob`, `size_bytes`, `tensors` with offsets and the caller's
+        hashes), a reservation the caller wrote (`reservation_id`, `tensors`), or a content the
+        cluster holds already (`content_id`). Every hash is checked against the bytes here. On
+        any failure nothing is named, the contents this call wrote are freed, and the error
+        names the batch member. Returns each artifact and whether it existed already."""
+        committed: list[tuple[str, bool]] = []  # (content id, written by this call)
+        replicas: dict[str, pb.NewReplica] = {}
+        layouts: dict[str, tuple[TensorMeta, ...]] = {}
+        artifacts = []
+        open_reservations = {int(i["reservation_id"]) for i in items if "reservation_id" in i}
+        try:
+            for index, item in enumerate(items):
+                try:
+                    content_id = self._commit_item(item, blob, committed, replicas, layouts)
+                except TensorcastError as e:
+                    raise type(e)(f"{member(index, str(item.get('art_id')))}: {e}") from None
+                finally:
+                    open_reservations.discard(int(item.get("reservation_id", -1)))
+                artifacts.append(
+                    pb.NewArtifact(
+                        art_id=str(item["art_id"]),
+                        content_id=content_id,
+                        owner=str(item["owner"]),
+                        ttl_s=float(item.get("ttl_s", 0.0)),
+                        parent=str(item.get("parent", "")),
+                    )
+                )
+            request = pb.PutArtifactsRequest(
+                worker_id=self.worker_id, replicas=list(replicas.values()), artifacts=artifacts
+            )
+            reply = self.batcher.call(pb.StoreOp(put=request)).put
+        except (Unavailable, DeadlineExceeded):
+            # The store may have committed the batch before its answer was lost: keep what
+            # was written and report it; the next heartbeat's answer drops what the store
+            # does not know (decision 7), so a committed batch never loses its bytes.
+            for reservation_id in open_reservations:
+                self.pool.abort(reservation_id)
+            self._end_registrations(committed, set())
+            raise
+        except BaseException:
+            for reservation_id in open_reservations:
+                self.pool.abort(reservation_id)
+            self._end_registrations(committed, set(c for c, _ in committed))
+            raise
+        self._end_registrations(committed, set(reply.redundant_content_ids))
+        infos = []
+        for a in reply.artifacts:
+            info = artifact_from_pb(a)
+            if not info.tensors and info.content_id in layouts:  # left out: we sent them
+                info = replace(info, tensors=layouts[info.content_id])
+            infos.append(info)
+        return infos, list(reply.existed)
+
+    def _commit_item(
+        self,
+        item: dict,
+        blob: bytearray | None,
+        committed: list[tuple[str, bool]],
+        replicas: dict[str, pb.NewReplica],
+        layouts: dict[str, tuple[TensorMeta, ...]],
+    ) -> str:
+        """Commit one batch item's bytes (unless it names held content); returns its content."""
+        if "content_id" in item:
+            return str(item["content_id"])
+        tensors = [TensorMeta.from_json(t) for t in item["tensors"]]
+        if "reservation_id" in item:
+            reservation_id = int(item["reservation_id"])
+        else:
+            start, size = int(item["blob_offset"]), int(item["size_bytes"])
+            if blob is None or not 0 <= start <= start + size <= len(blob):
+                raise InvalidArgument("inline bytes out of the message's range")
+            res = self.reserve(size)
+            self.pool.view[res.offset : res.offset + size] = memoryview(blob)[start : start + size]
+            reservation_id = res.reservation_id
+        verify = all(t.hash_hex for t in tensors)
+        result = self.pool.commit(reservation_id, tensors, verify_hashes=verify)
+        content = result.content
+        committed.append((content.content_id, not result.deduplicated))
+        layouts[content.content_id] = content.tensors
+        replicas.setdefault(
+            content.content_id,
+            pb.NewReplica(
+                content_id=content.content_id,
+                size_bytes=content.size_bytes,
+                tensors=[tensor_to_pb(t) for t in content.tensors],
+            ),
+        )
+        return content.content_id
+
+    def _end_registrations(self, committed: list[tuple[str, bool]], unregistered: set[str]) -> None:
+        """End a batch's registrations; free what this call wrote and the store did not record
+        (held by another worker, or the batch failed)."""
+        for content_id, _ in committed:
+            self.pool.end_registration(content_id, content_id not in unregistered)
+        for content_id, fresh in committed:
+            if fresh and content_id in unregistered:
+                self.pool.drop(content_id)
 
     def _report_soon(self) -> None:
         """Attach/detach: tell the store now rather than at the next heartbeat."""

@@ -1,0 +1,242 @@
+"""Control-plane cost and batches through a real cluster (issue 20): a same-host small put, lookup
+or delete is one round trip to the worker and one Global Store request (the worker's `Batch`,
+which coalesces its callers' requests); batches (`put_many`, `register_many`, a weight publish)
+are one store transaction, all or nothing; a store killed mid-batch leaves all of it or none;
+listings page and never show part of a batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.request
+
+import pytest
+import torch
+from conftest import Cluster, pool_used, wait_until, worker_contents
+
+import tensorcast as tc
+from tensorcast.metrics import rpc_counts
+
+# Requests workers make on their own (heartbeats, shard leases), and a caller's refresh of its
+# worker list (at most one per WORKERS_CACHE_S, whatever it does): not per operation.
+BACKGROUND = {"Heartbeat", "AcquireShards", "ListShards", "HandOffShard", "ListWorkers"}
+
+
+def _store_calls(cluster: Cluster) -> dict[str, float]:
+    metrics_addr = next(p for p in cluster.record.processes if p.role == "store").metrics_addr
+    text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10).read().decode()
+    return {m: n for m, n in rpc_counts(text).items() if m not in BACKGROUND}
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {m: after[m] - before.get(m, 0) for m in after if after[m] != before.get(m, 0)}
+
+
+def _local(rt: tc.Runtime):
+    (conn,) = rt._local.values()
+    return conn
+
+
+def test_a_small_put_is_one_worker_round_trip_and_one_store_request(cluster):
+    with cluster.connect() as rt:
+        rt.put({"w": torch.zeros(16)}, "cost/warm")  # lists the workers, connects
+        conn = _local(rt)
+        trips = conn.round_trips
+        before = _store_calls(cluster)
+        art = rt.put({"w": torch.arange(16.0)}, "cost/put")
+        assert _delta(before, _store_calls(cluster)) == {"Batch": 1}
+        assert conn.round_trips == trips + 1
+        assert art.content_id and art.info.replicas  # visible with its replica at once
+        assert art.info.tensors[0].hash_hex  # the layout, though the store's reply left it out
+        trips = conn.round_trips
+        before = _store_calls(cluster)
+        assert rt.info("cost/put").tensors[0].hash_hex == art.info.tensors[0].hash_hex
+        assert _delta(before, _store_calls(cluster)) == {"Batch": 1}
+        assert conn.round_trips == trips + 1
+        trips = conn.round_trips
+        before = _store_calls(cluster)
+        got = rt.artifact("cost/put").tensor_dict()["w"]
+        assert torch.equal(got, torch.arange(16.0))
+        assert _delta(before, _store_calls(cluster)) == {"Batch": 1}
+        assert conn.round_trips == trips + 2  # the lookup, then "open"
+        kv = rt.register({"k": torch.ones(8)}, "cost/lease", ttl_s=60)
+        assert kv.info.expires_at is not None
+        trips = conn.round_trips
+        before = _store_calls(cluster)
+        rt.delete("cost/put")
+        assert _delta(before, _store_calls(cluster)) == {"Batch": 1}
+        assert conn.round_trips == trips + 1
+        with pytest.raises(tc.NotFound, match="no artifact 'cost/put'"):
+            rt.delete("cost/put")
+    with cluster.connect() as other:  # another caller sees it at once
+        assert other.info("cost/lease").owner == "lease"
+
+
+def test_the_worker_checks_the_callers_hashes(cluster, monkeypatch):
+    from tensorcast.transport import native
+
+    with cluster.connect() as rt:
+        used = pool_used(rt)
+        real = native.hash_buffers
+        monkeypatch.setattr(native, "hash_buffers", lambda bufs, threads=0: ["0" * 32] * len(bufs))
+        with pytest.raises(tc.IntegrityError, match="sender claimed"):
+            rt.put({"w": torch.ones(16)}, "lying-put")
+        monkeypatch.setattr(native, "hash_buffers", real)
+        with pytest.raises(tc.NotFound):
+            rt.info("lying-put")
+        assert all(pool_used(rt)[w] <= used[w] for w in used)
+
+
+def test_put_many_creates_a_batch_in_one_request(cluster):
+    items = {f"many/{i:03d}": {"w": torch.full((64,), float(i))} for i in range(40)}
+    items["many/big"] = {"w": torch.arange(300_000, dtype=torch.float32)}  # a reserved region
+    with cluster.connect() as rt:
+        rt.put({"w": torch.zeros(4)}, "many-warm")
+        before = _store_calls(cluster)
+        arts = rt.put_many(items)
+        # Whether the cluster holds the large content already (its bytes need not move), then
+        # one transaction for all 41.
+        assert _delta(before, _store_calls(cluster)) == {"HeldContents": 1, "Batch": 1}
+        assert list(arts) == list(items)
+        for art_id, tensors in items.items():
+            assert torch.equal(rt.artifact(art_id).tensor_dict()["w"], tensors["w"])
+        assert rt.put_many(items)["many/007"].content_id == arts["many/007"].content_id
+        leased = rt.register_many({"many-kv/a": {"k": torch.ones(4)}}, ttl_s=30)
+        assert leased["many-kv/a"].info.owner == "lease"
+        assert rt.delete_many(["many/000", "many/001", "nope"], missing_ok=True) == 2
+        with pytest.raises(tc.NotFound, match=r"batch member 1 \('nope'\)"):
+            rt.delete_many(["many/002", "nope"])
+        assert rt.info("many/002").art_id == "many/002"  # nothing deleted
+
+
+@pytest.mark.parametrize(
+    ("bad_id", "error", "match"),
+    [
+        ("taken", tc.AlreadyExists, r"batch member 2 \('taken'\)"),
+        (" spaced", tc.InvalidArgument, r"batch member 2 \(' spaced'\)"),
+    ],
+)
+def test_a_batch_with_one_bad_member_changes_nothing(cluster, bad_id, error, match):
+    tag = "exists" if error is tc.AlreadyExists else "invalid"
+    with cluster.connect() as rt:
+        rt.put({"other": torch.zeros(3)}, "taken")
+        used = pool_used(rt)
+        listed = [a.art_id for a in rt.list_artifacts()]
+        items = {f"bad-{tag}/{i}": {"w": torch.full((32,), float(i))} for i in range(2)}
+        items[bad_id] = {"w": torch.full((32,), 7.0)}
+        items[f"bad-{tag}/big"] = {"w": torch.arange(100_000, dtype=torch.float32)}
+        with pytest.raises(error, match=match):
+            rt.put_many(items)
+        assert [a.art_id for a in rt.list_artifacts()] == listed
+        # The contents the batch wrote were freed (other tests' deletes may free more).
+        assert all(pool_used(rt)[w] <= used[w] for w in used)
+
+
+def test_a_weight_publish_is_one_transaction(cluster):
+    state = {f"layer{i}.weight": torch.full((8, 8), float(i)) for i in range(30)}
+    with cluster.connect() as rt:
+        publisher = tc.WeightPublisher(rt, "txn-model", keep_last=1)
+        rt.put({"w": torch.zeros(2)}, "txn-warm")
+        before = _store_calls(cluster)
+        publisher.publish(state, "v1")
+        # One transaction for the 31 artifacts, then one listing of the model's manifests.
+        assert _delta(before, _store_calls(cluster)) == {"Batch": 1, "ListArtifacts": 1}
+        # A tensor id taken by other content: the whole version fails, nothing of it appears.
+        rt.put({"x": torch.ones(1)}, "weights/txn-model@v2/layer29.weight")
+        with pytest.raises(tc.AlreadyExists, match="layer29"):
+            publisher.publish(state, "v2")
+        left = [a.art_id for a in rt.list_artifacts("weights/txn-model@v2")]
+        assert left == ["weights/txn-model@v2/layer29.weight"]
+        rt.delete("weights/txn-model@v2/layer29.weight")
+        before = _store_calls(cluster)
+        publisher.publish(state, "v2")  # keep_last=1: v1 goes, in one delete request
+        # The put, the listing, v1's manifest read, one delete of all 31 artifacts of v1.
+        assert _delta(before, _store_calls(cluster)) == {"Batch": 3, "ListArtifacts": 1}
+        ids = [a.art_id for a in rt.list_artifacts("weights/txn-model@")]
+        assert len(ids) == 31 and all(i.startswith("weights/txn-model@v2") for i in ids)
+
+
+def test_listings_page_and_never_show_part_of_a_batch(cluster):
+    with cluster.connect() as rt:
+        stop = threading.Event()
+        seen: list[int] = []
+
+        def look() -> None:
+            with cluster.connect() as reader:
+                while not stop.is_set():
+                    seen.append(len(reader.list_artifacts_page("half/", limit=1000)[0]))
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        try:
+            wait_until(lambda: len(seen) >= 1, 30)
+            rt.put_many({f"half/{i:03d}": {"w": torch.full((4,), float(i))} for i in range(300)})
+            count = len(seen)
+            wait_until(lambda: len(seen) > count, 30)  # one more look after the batch
+        finally:
+            stop.set()
+            thread.join(30)
+        assert set(seen) <= {0, 300} and seen[-1] == 300
+        page, after = rt.list_artifacts_page("half/", limit=120)
+        assert len(page) == 120 and after == "half/119" and page[0].tensors == ()
+        assert page[0].num_tensors == 1
+        rest, end = rt.list_artifacts_page("half/", after=after, limit=1000)
+        assert len(rest) == 180 and end == ""
+    first = json.loads(cluster.tc("ls", "half/", "--limit", "2", "--json", check=True).stdout)
+    assert [a["art_id"] for a in first["artifacts"]] == ["half/000", "half/001"]
+    assert first["next_after"] == "half/001"
+    more = cluster.tc("ls", "half/", "--after", "half/297", "--json", check=True).stdout
+    assert [a["art_id"] for a in json.loads(more)["artifacts"]] == ["half/298", "half/299"]
+    assert json.loads(more)["next_after"] is None
+    text = cluster.tc("ls", "half/", "--limit", "1", check=True).stdout
+    assert "more: tc ls --after 'half/000'" in text
+
+
+@pytest.fixture
+def fault_dir(tmp_path):
+    c = Cluster(tmp_path / "state", None)  # type: ignore[arg-type]
+    yield c
+    c.tc("down")
+
+
+def _heartbeats(c: Cluster) -> float:
+    cluster = json.loads((c.state_dir / "cluster.json").read_text())
+    addr = next(p["metrics_addr"] for p in cluster["processes"] if p["name"] == "store")
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    return rpc_counts(text).get("Heartbeat", 0)
+
+
+def _store_pid(c: Cluster) -> int:
+    cluster = json.loads((c.state_dir / "cluster.json").read_text())
+    return next(p["pid"] for p in cluster["processes"] if p["name"] == "store")
+
+
+@pytest.mark.parametrize("when", ["IN_BATCH", "AFTER_COMMIT"])
+def test_a_store_killed_mid_batch_leaves_all_of_it_or_none(fault_dir, when):
+    c = fault_dir
+    env = {f"TC_FAULT_STORE_EXIT_{when}": "50"}  # the store dies on a batch of >= 50
+    c.tc("up", "--workers", "1", "--mem", "64MiB", "--json", check=True, env=env)
+    items = {f"fault/{i:03d}": {"w": torch.full((16,), float(i))} for i in range(60)}
+    with c.connect() as rt:
+        rt.put({"w": torch.zeros(1)}, "fault/small")  # a batch of one: no fault
+        store_pid = _store_pid(c)
+        with pytest.raises(tc.Unavailable):
+            rt.put_many(items)
+    wait_until(lambda: not os.path.exists(f"/proc/{store_pid}"), 30)
+    c.tc("up", "--json", check=True)  # the store again, on the same records, without the fault
+    wait_until(lambda: _heartbeats(c) > 0, 30)  # the worker reached the new store process
+    with c.connect() as rt:
+        listed = [a.art_id for a in rt.list_artifacts("fault/")]
+        if when == "IN_BATCH":
+            assert listed == ["fault/small"]
+            # The worker kept what it wrote (the outcome was unknown to it) until a heartbeat
+            # told it the store does not know those contents.
+            wait_until(lambda: worker_contents(rt) == 1, 30)
+        else:
+            assert listed == sorted(["fault/small", *items])
+            for art_id, tensors in list(items.items())[::15]:
+                assert torch.equal(rt.artifact(art_id).tensor_dict()["w"], tensors["w"])
+        again = rt.put_many(items)  # all of it, either way
+        assert len(again) == 60
+        assert torch.equal(rt.artifact("fault/059").tensor_dict()["w"], items["fault/059"]["w"])
