@@ -29,7 +29,9 @@ What is measured, per (page size, batch) cell of PAGE_SIZES x BATCHES (64 KiB, 2
 Payloads: one os.urandom(page) per cell, each page a copy of it with its index written into its
 first and last 8 bytes and into 8 bytes in the middle, so every page differs.
 
-Systems (both on 127.0.0.1, started in a temporary directory and stopped at close()):
+Systems (both on 127.0.0.1 unless told otherwise, started in a temporary directory and stopped at
+close(); scripts/bench/kv.py --path cross-host starts their servers in another network namespace
+through `Remote`, with the clients in this process):
 
   redis           redis-server --save "" --appendonly no (no persistence), redis-py with the
                   hiredis parser: put = one MSET, get = one MGET, exists = a non-transactional
@@ -293,6 +295,30 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Remote:
+    """Where a baseline's servers run when not on this host's loopback: `prefix` runs a command
+    there (`ip netns exec NS`), `host` is their address, `client_host` this process's address
+    as they see it (Mooncake's transfer engine connects back to it)."""
+
+    prefix: tuple[str, ...] = ()
+    host: str = LOOPBACK
+    client_host: str = LOOPBACK
+
+    def free_port(self) -> int:
+        if not self.prefix:
+            return free_port(self.host)
+        code = f"import socket; s = socket.socket(); s.bind(({self.host!r}, 0)); "
+        code += "print(s.getsockname()[1])"
+        out = subprocess.run(
+            [*self.prefix, sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.strip())
+
+
+LOCAL = Remote()
+
+
 def _accepts(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -350,7 +376,8 @@ class RedisBaseline:
 
     name = "redis"
 
-    def __init__(self, server: str | None = None) -> None:
+    def __init__(self, server: str | None = None, where: Remote = LOCAL) -> None:
+        self.where = where
         server = server or shutil.which("redis-server") or "/usr/bin/redis-server"
         if not os.access(server, os.X_OK):
             raise Skip("redis-server not found (apt-get install redis-server)")
@@ -385,13 +412,14 @@ class RedisBaseline:
     def _start(self, server: str, redis: Any) -> None:
         last = ""
         for _attempt in range(3):  # the free port may be taken between probe and bind
-            port = free_port()
+            port = self.where.free_port()
             log = self._dir / "redis.log"
             self._proc = subprocess.Popen(
                 [
+                    *self.where.prefix,
                     server,
                     "--bind",
-                    LOOPBACK,
+                    self.where.host,
                     "--port",
                     str(port),
                     "--save",
@@ -411,7 +439,7 @@ class RedisBaseline:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            client = redis.Redis(host=LOOPBACK, port=port, socket_timeout=120)
+            client = redis.Redis(host=self.where.host, port=port, socket_timeout=120)
             deadline = time.monotonic() + START_TIMEOUT_S
             while time.monotonic() < deadline and self._proc.poll() is None:
                 try:
@@ -484,8 +512,10 @@ def _mooncake_master_binary() -> str:
     raise Skip("mooncake_master not found; pip install mooncake-transfer-engine-non-cuda")
 
 
-def _mooncake_setup(store: Any, metadata: str, master: str, segment: int, local_buf: int) -> int:
-    return int(store.setup(LOOPBACK, metadata, segment, local_buf, "tcp", "", master))
+def _mooncake_setup(
+    store: Any, metadata: str, master: str, segment: int, local_buf: int, host: str = LOOPBACK
+) -> int:
+    return int(store.setup(host, metadata, segment, local_buf, "tcp", "", master))
 
 
 def mooncake_segment_child(a: dict[str, Any]) -> None:
@@ -493,7 +523,9 @@ def mooncake_segment_child(a: dict[str, Any]) -> None:
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = _mooncake_setup(store, a["metadata"], a["master"], a["segment_bytes"], 16 * MIB)
+    rc = _mooncake_setup(
+        store, a["metadata"], a["master"], a["segment_bytes"], 16 * MIB, a.get("host", LOOPBACK)
+    )
     sys.stdout.write(json.dumps({"rc": rc}) + "\n")
     sys.stdout.flush()
     if rc != 0:
@@ -519,8 +551,10 @@ class MooncakeStoreBaseline:
         segment_bytes: int = 3 * GIB // 2,
         max_batch_bytes: int = 512 * MIB,
         remote_segment: bool = True,
+        where: Remote = LOCAL,
     ) -> None:
         self.name = "mooncake-store" if remote_segment else "mooncake-local"
+        self.where = where
         os.environ.setdefault("GLOG_minloglevel", "1")  # read when the library loads: no INFO
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -544,7 +578,8 @@ class MooncakeStoreBaseline:
             version = _version("mooncake-transfer-engine-non-cuda")
         self.info: dict[str, Any] = {
             "package": f"mooncake-transfer-engine-non-cuda {version}",
-            "master": "mooncake_master --enable_http_metadata_server=true (loopback)",
+            "master": "mooncake_master --enable_http_metadata_server=true "
+            + ("(loopback)" if where == LOCAL else f"({where.host})"),
             "protocol": "tcp",
             "segment": "separate storage process" if remote_segment else "this process",
             "segment_bytes": segment_bytes,
@@ -564,18 +599,20 @@ class MooncakeStoreBaseline:
         env = {**os.environ, "GLOG_minloglevel": level}
         log = self._dir / "master.log"
         last = ""
+        host = self.where.host
         for _attempt in range(3):
-            rpc, http, metrics = free_port(), free_port(), free_port()
+            rpc, http, metrics = (self.where.free_port() for _ in range(3))
             with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
                 self._master = subprocess.Popen(
                     [
+                        *self.where.prefix,
                         master_bin,
-                        f"--rpc_address={LOOPBACK}",
+                        f"--rpc_address={host}",
                         f"--rpc_port={rpc}",
                         "--enable_http_metadata_server=true",
-                        f"--http_metadata_server_host={LOOPBACK}",
+                        f"--http_metadata_server_host={host}",
                         f"--http_metadata_server_port={http}",
-                        f"--metrics_host={LOOPBACK}",
+                        f"--metrics_host={host}",
                         f"--metrics_port={metrics}",
                         "--logtostderr",
                     ],
@@ -586,26 +623,32 @@ class MooncakeStoreBaseline:
                 )
             deadline = time.monotonic() + START_TIMEOUT_S
             while time.monotonic() < deadline and self._master.poll() is None:
-                if _accepts(LOOPBACK, rpc) and _accepts(LOOPBACK, http):
+                if _accepts(host, rpc) and _accepts(host, http):
                     break
                 time.sleep(0.05)
-            if self._master.poll() is None and _accepts(LOOPBACK, rpc):
+            if self._master.poll() is None and _accepts(host, rpc):
                 break
             last = f"exit {self._master.poll()}: {_tail(log)}"
             _stop(self._master)
             self._master = None
         else:
             raise RuntimeError(f"mooncake_master did not start ({last})")
-        metadata = f"http://{LOOPBACK}:{http}/metadata"
-        master = f"{LOOPBACK}:{rpc}"
+        metadata = f"http://{host}:{http}/metadata"
+        master = f"{host}:{rpc}"
         self.info.update(master_rpc_port=rpc, metadata_server=metadata)
 
         if remote_segment:
             seg_log = self._dir / "segment.log"
-            args = {"metadata": metadata, "master": master, "segment_bytes": self.segment_bytes}
+            args = {
+                "metadata": metadata,
+                "master": master,
+                "segment_bytes": self.segment_bytes,
+                "host": host,
+            }
             with open(seg_log, "ab") as err:
                 self._segment = subprocess.Popen(
                     [
+                        *self.where.prefix,
                         sys.executable,
                         os.path.abspath(__file__),
                         "--mooncake-segment-child",
@@ -635,6 +678,7 @@ class MooncakeStoreBaseline:
                 master,
                 0 if remote_segment else self.segment_bytes,
                 self.local_buffer_bytes,
+                self.where.client_host,
             )
         if rc != 0:
             raise RuntimeError(f"MooncakeDistributedStore.setup rc={rc} ({_tail(client_log)})")
@@ -704,15 +748,24 @@ def grid_needs(
 
 
 def make_baseline(
-    name: str, sizes: Sequence[int], batches: Sequence[int], total_bytes_target: int, max_ops: int
+    name: str,
+    sizes: Sequence[int],
+    batches: Sequence[int],
+    total_bytes_target: int,
+    max_ops: int,
+    where: Remote = LOCAL,
 ) -> Any:
-    """Start one baseline, sized for the grid. Raises Skip when it cannot run here."""
+    """Start one baseline, sized for the grid, its servers `where` told. Raises Skip when it
+    cannot run here."""
     if name == "redis":
-        return RedisBaseline()
+        return RedisBaseline(where=where)
     max_batch, max_cell = grid_needs(sizes, batches, total_bytes_target, max_ops)
     segment = int(max_cell / 0.8) + 64 * MIB  # the master evicts above 90 % of the segment
     return MooncakeStoreBaseline(
-        segment_bytes=segment, max_batch_bytes=max_batch, remote_segment=name != "mooncake-local"
+        segment_bytes=segment,
+        max_batch_bytes=max_batch,
+        remote_segment=name != "mooncake-local",
+        where=where,
     )
 
 
@@ -793,8 +846,8 @@ def _f(x: float | None, digits: int = 2) -> str:
 
 def human(report: dict[str, Any]) -> str:
     lines = [
-        "KV pages, loopback: GB/s = 1e9 B/s over the sum of call times; latency per batch call "
-        "(ms); exists in k keys/s",
+        f"KV pages, {report.get('path', 'loopback')}: GB/s = 1e9 B/s over the sum of call "
+        "times; latency per batch call (ms); exists in k keys/s",
         f"{'system':<15} {'page':>7} {'batch':>5} {'calls':>5} | {'put GB/s':>8} {'p50':>7} "
         f"{'p99':>7} | {'get GB/s':>8} {'p50':>7} {'p99':>7} | {'exists k/s':>10} {'p50':>7} "
         f"{'p99':>7}",
