@@ -364,3 +364,12 @@ class Coordination(Protocol):
     def get_plan(self, key: str) -> PlanRecord: ...
     def list_plans(self, limit: int) -> list[PlanRecord]: ...
     def sweep(self, now: float) -> None: ...
+
+
+def every_page(store: MetadataStore, prefix: str, now: float) -> list[ArtifactInfo]:
+    """`list_artifacts` of either backend: every page of `list_artifact_page`, with tensors."""
+    infos, after = store.list_artifact_page(prefix, "", 0, now, with_tensors=True)
+    while after:
+        page, after = store.list_artifact_page(prefix, after, 0, now, with_tensors=True)
+        infos += page
+    return infos

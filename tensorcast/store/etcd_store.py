@@ -62,6 +62,7 @@ from tensorcast.store.base import (
     check_num_shards,
     check_owner,
     check_same_layout,
+    every_page,
     fixed_num_shards,
     member,
     page_limit,
@@ -809,11 +810,7 @@ class EtcdStore:
         return info
 
     def list_artifacts(self, prefix: str, now: float) -> list[ArtifactInfo]:
-        infos, after = self.list_artifact_page(prefix, "", 0, now, with_tensors=True)
-        while after:
-            page, after = self.list_artifact_page(prefix, after, 0, now, with_tensors=True)
-            infos += page
-        return infos
+        return every_page(self, prefix, now)
 
     def list_artifact_page(
         self,

@@ -46,6 +46,7 @@ from tensorcast.store.base import (
     check_batch,
     check_owner,
     check_same_layout,
+    every_page,
     member,
     page_limit,
     validate_art_id,
@@ -718,11 +719,7 @@ class SqliteStore:
         return infos
 
     def list_artifacts(self, prefix: str, now: float) -> list[ArtifactInfo]:
-        infos, after = self.list_artifact_page(prefix, "", 0, now, with_tensors=True)
-        while after:
-            page, after = self.list_artifact_page(prefix, after, 0, now, with_tensors=True)
-            infos += page
-        return infos
+        return every_page(self, prefix, now)
 
     def list_artifact_page(
         self,
