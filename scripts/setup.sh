@@ -14,6 +14,7 @@ command -v g++ >/dev/null || need+=(g++)
 command -v jq >/dev/null || need+=(jq)          # scripts/autoscale.sh
 command -v ip >/dev/null || need+=(iproute2)    # cross-host tests (network namespaces)
 command -v etcd >/dev/null || need+=(etcd-server)  # the Global Store's etcd backend, tc up --ha
+command -v setpriv >/dev/null || need+=(util-linux)  # vLLM instances: the server dies with them
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "setup: missing Debian packages: ${need[*]} (run as root or install them)" >&2

