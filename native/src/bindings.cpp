@@ -502,6 +502,17 @@ NB_MODULE(_native, m) {
             "close_ticket", [](PyDataServer& s, uint64_t id) { s.server().close_ticket(id); },
             nb::arg("id"))
         .def(
+            "begin_growing",
+            [](PyDataServer& s, uint64_t offset, uint64_t length) {
+                s.server().begin_growing(offset, length);
+            },
+            nb::arg("offset"), nb::arg("length"),
+            "Mark [offset, +length) as being received: READs past what has arrived wait for "
+            "it (pull(relay=...) advances it).")
+        .def(
+            "end_growing", [](PyDataServer& s, uint64_t offset) { s.server().end_growing(offset); },
+            nb::arg("offset"), "Lift the wait on the growing range at offset (done or abandoned).")
+        .def(
             "idle_tickets",
             [](PyDataServer& s, uint32_t idle_ms) { return s.server().idle_tickets(idle_ms); },
             nb::arg("idle_ms"), "Ids of tickets not read for idle_ms (opened or last READ).")
@@ -549,16 +560,21 @@ NB_MODULE(_native, m) {
         [](const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
            uint64_t source_offset, uint64_t length, nb::handle dest, uint64_t dest_offset,
            uint32_t streams, uint64_t chunk_bytes, uint32_t timeout_ms, CancelToken* cancel,
-           const std::vector<std::string>& tls) {
+           const std::vector<std::string>& tls, PyDataServer* relay, uint64_t relay_offset) {
             const tc::TlsFiles files = tls_files(tls);
             const BufferView view(dest, "dest", true);
             check_fits("dest", dest_offset, length, view.size_bytes());
+            std::function<void(uint64_t)> on_prefix;
+            if (relay != nullptr)
+                on_prefix = [&server = relay->server(), relay_offset](uint64_t received) {
+                    server.advance_growing(relay_offset, received);
+                };
             tc::PullStats stats;
             {
                 nb::gil_scoped_release release;
                 stats = tc::pull(host, port, token, ticket, source_offset, length,
                                  view.data() + dest_offset, streams, chunk_bytes, timeout_ms,
-                                 cancel != nullptr ? &cancel->flag : nullptr, files);
+                                 cancel != nullptr ? &cancel->flag : nullptr, files, on_prefix);
             }
             return to_dict(stats);
         },
@@ -566,9 +582,11 @@ NB_MODULE(_native, m) {
         nb::arg("source_offset"), nb::arg("length"), nb::arg("dest"), nb::arg("dest_offset"),
         nb::arg("streams") = 0, nb::arg("chunk_bytes") = 0, nb::arg("timeout_ms") = 30000,
         nb::kw_only(), nb::arg("cancel").none() = nb::none(),
-        nb::arg("tls") = std::vector<std::string>{},
+        nb::arg("tls") = std::vector<std::string>{}, nb::arg("relay").none() = nb::none(),
+        nb::arg("relay_offset") = 0,
         "Pull length bytes at source_offset of a DataServer's pool into dest[dest_offset:] over "
-        "`streams` TCP connections; returns stats. Raises TransferError (.reason), "
+        "`streams` TCP connections; returns stats. With `relay`, advances that server's growing "
+        "range at relay_offset as the verified prefix grows. Raises TransferError (.reason), "
         "TransferTimeout, TransferCancelled.");
 
     m.attr("REMOTE_PAGE_STREAMS") = tc::kDefaultRemoteStreams;

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <list>
+#include <map>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -81,8 +83,15 @@ struct DataServer::Impl {
     net::Fd wake;  // written once by stop(); wakes every poll of every thread
     uint16_t port = 0;
 
-    std::mutex tickets_mutex;
+    std::mutex tickets_mutex;  // guards tickets, growing and stopping
+    std::condition_variable tickets_changed;  // a growing range advanced or ended, a ticket closed
     std::unordered_map<uint64_t, Ticket> tickets;
+    struct Growing {
+        uint64_t length_bytes;
+        uint64_t received_bytes;
+    };
+    std::map<uint64_t, Growing> growing;  // by pool offset; ranges never overlap
+    bool stopping = false;
 
     std::mutex connections_mutex;
     std::list<std::unique_ptr<Connection>> connections;
@@ -99,9 +108,11 @@ struct DataServer::Impl {
 
     void accept_loop();
     void serve(Connection* connection);
-    // Outcome of a ticket check for one READ.
+    // Outcome of a ticket check for one READ; waits (bounded) for bytes of a growing range.
     frame::ErrorCode check_read(uint64_t ticket, uint64_t offset, uint64_t length_bytes,
                                 bool* ok);
+    // Where the received part of the growing range holding `offset` ends; UINT64_MAX: none.
+    uint64_t received_end(uint64_t offset) const;
     // `ssl`: the connection's TLS session, if any.
     bool send_error(int fd, uint64_t request_id, frame::ErrorCode code, const std::string& text,
                     ssl_st* ssl = nullptr);
@@ -199,7 +210,39 @@ std::vector<uint64_t> DataServer::idle_tickets(uint32_t idle_ms) const {
 
 void DataServer::close_ticket(uint64_t id) {
     std::lock_guard<std::mutex> lock(impl_->tickets_mutex);
-    impl_->tickets.erase(id);
+    if (impl_->tickets.erase(id) != 0) impl_->tickets_changed.notify_all();
+}
+
+void DataServer::begin_growing(uint64_t offset, uint64_t length_bytes) {
+    Impl& s = *impl_;
+    if (offset > s.size_bytes || length_bytes > s.size_bytes - offset || length_bytes == 0)
+        throw std::invalid_argument("begin_growing: range outside the pool or empty");
+    std::lock_guard<std::mutex> lock(s.tickets_mutex);
+    const auto next = s.growing.lower_bound(offset);
+    const bool overlaps_next = next != s.growing.end() && next->first < offset + length_bytes;
+    const bool overlaps_previous =
+        next != s.growing.begin() &&
+        std::prev(next)->first + std::prev(next)->second.length_bytes > offset;
+    if (overlaps_next || overlaps_previous)
+        throw std::invalid_argument("begin_growing: range overlaps a growing range");
+    s.growing[offset] = Impl::Growing{length_bytes, 0};
+}
+
+void DataServer::advance_growing(uint64_t offset, uint64_t received_bytes) {
+    Impl& s = *impl_;
+    std::lock_guard<std::mutex> lock(s.tickets_mutex);
+    const auto it = s.growing.find(offset);
+    if (it == s.growing.end()) return;
+    const uint64_t received = std::min(received_bytes, it->second.length_bytes);
+    if (received > it->second.received_bytes) {
+        it->second.received_bytes = received;
+        s.tickets_changed.notify_all();
+    }
+}
+
+void DataServer::end_growing(uint64_t offset) {
+    std::lock_guard<std::mutex> lock(impl_->tickets_mutex);
+    if (impl_->growing.erase(offset) != 0) impl_->tickets_changed.notify_all();
 }
 
 void DataServer::serve_pages(std::shared_ptr<RemotePageService> pages) {
@@ -225,6 +268,11 @@ DataServerStats DataServer::stats() const {
 void DataServer::stop() {
     Impl& s = *impl_;
     std::call_once(s.stop_once, [&s] {
+        {
+            std::lock_guard<std::mutex> lock(s.tickets_mutex);
+            s.stopping = true;  // READs waiting on growing ranges give up
+            s.tickets_changed.notify_all();
+        }
         net::signal_wake(s.wake.get());
         if (s.accept_thread.joinable()) s.accept_thread.join();
         // No new connections now; each thread sees the wake fd within one poll.
@@ -328,23 +376,41 @@ void DataServer::Impl::send_page_error(int fd, const std::string& kind, const st
         net::finish_sending(fd, 1000);  // the caller reads the reason before the close
 }
 
+uint64_t DataServer::Impl::received_end(uint64_t offset) const {
+    auto it = growing.upper_bound(offset);
+    if (it == growing.begin()) return UINT64_MAX;
+    --it;
+    if (offset >= it->first + it->second.length_bytes) return UINT64_MAX;
+    return it->first + it->second.received_bytes;
+}
+
 frame::ErrorCode DataServer::Impl::check_read(uint64_t ticket_id, uint64_t offset,
                                               uint64_t length_bytes, bool* ok) {
     *ok = false;
-    std::lock_guard<std::mutex> lock(tickets_mutex);
-    const auto it = tickets.find(ticket_id);
-    if (it == tickets.end()) return frame::ErrorCode::kBadTicket;
-    if (it->second.expires <= Clock::now()) {
-        tickets.erase(it);
-        return frame::ErrorCode::kBadTicket;
+    std::unique_lock<std::mutex> lock(tickets_mutex);
+    const auto give_up = Clock::now() + std::chrono::milliseconds(kGrowingWaitMs);
+    for (;;) {
+        const auto it = tickets.find(ticket_id);
+        if (it == tickets.end()) return frame::ErrorCode::kBadTicket;
+        const auto now = Clock::now();
+        if (it->second.expires <= now) {
+            tickets.erase(it);
+            return frame::ErrorCode::kBadTicket;
+        }
+        Ticket& t = it->second;
+        // The frame parser guarantees offset + length does not overflow.
+        if (offset < t.offset || offset + length_bytes > t.offset + t.length_bytes)
+            return frame::ErrorCode::kOutOfRange;
+        // A range still being received (a relay in a chain): serve what has arrived.
+        if (received_end(offset) >= offset + length_bytes) {
+            t.last_used = now;
+            *ok = true;
+            return frame::ErrorCode::kProtocol;
+        }
+        t.last_used = now;  // a waiting reader is not an idle one
+        if (stopping || now >= give_up) return frame::ErrorCode::kBusy;
+        tickets_changed.wait_until(lock, std::min(give_up, t.expires));
     }
-    Ticket& t = it->second;
-    // The frame parser guarantees offset + length does not overflow.
-    if (offset < t.offset || offset + length_bytes > t.offset + t.length_bytes)
-        return frame::ErrorCode::kOutOfRange;
-    t.last_used = Clock::now();
-    *ok = true;
-    return frame::ErrorCode::kProtocol;
 }
 
 void DataServer::Impl::serve(Connection* connection) {
@@ -446,6 +512,11 @@ void DataServer::Impl::serve(Connection* connection) {
         bool allowed = false;
         const frame::ErrorCode code = check_read(h.a, h.b, h.c, &allowed);
         if (!allowed) {
+            if (code == frame::ErrorCode::kBusy) {  // the relay's own pull stalled: give up here
+                send_error(fd, h.request_id, code, "range not received by this relay in time",
+                           limits.ssl);
+                return;
+            }
             const char* text = code == frame::ErrorCode::kBadTicket
                                    ? "unknown or expired ticket"
                                    : "range outside the ticket";

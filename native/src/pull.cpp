@@ -73,7 +73,8 @@ class Pull {
 public:
     Pull(std::vector<net::Address> addresses, std::string host, std::string where,
          const std::string& token, ssl_ctx_st* tls, uint64_t ticket, uint64_t source_offset,
-         uint8_t* dest, Clock::time_point deadline, const std::string& tls_identity)
+         uint8_t* dest, Clock::time_point deadline, const std::string& tls_identity,
+         const std::function<void(uint64_t)>& on_prefix)
         : addresses_(std::move(addresses)),
           host_(std::move(host)),
           where_(std::move(where)),
@@ -84,10 +85,12 @@ public:
           dest_(dest),
           deadline_(deadline),
           pool_key_(where_ + '\n' + token + '\n' + tls_identity),
+          on_prefix_(on_prefix),
           wake_(net::make_wake_fd()) {}
 
     void add_chunk(uint64_t offset, uint64_t length_bytes) {
         chunks_.push_back(Chunk{offset, length_bytes, 0, 0});
+        done_.push_back(false);
         queue_.push_back(uint32_t(chunks_.size() - 1));
         remaining_ = chunks_.size();
     }
@@ -137,11 +140,14 @@ private:
     uint8_t* const dest_;
     const Clock::time_point deadline_;
     const std::string pool_key_;  // server and token: who may reuse a connection
+    const std::function<void(uint64_t)>& on_prefix_;
     net::Fd wake_;  // signalled once the pull is over (success or failure)
 
     std::mutex mutex_;
     std::condition_variable changed_;
-    std::vector<Chunk> chunks_;
+    std::vector<Chunk> chunks_;  // in offset order
+    std::vector<bool> done_;     // per chunk: verified
+    uint32_t prefix_chunks_ = 0;  // chunks [0, prefix_chunks_) all verified
     std::deque<uint32_t> queue_;
     uint64_t remaining_ = 0;
     uint32_t live_ = 0;       // connections connecting or connected
@@ -189,6 +195,13 @@ void Pull::complete_chunk(uint32_t chunk) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.chunks;
     stats_.bytes += chunks_[chunk].length_bytes;
+    done_[chunk] = true;
+    const uint32_t before = prefix_chunks_;
+    while (prefix_chunks_ < chunks_.size() && done_[prefix_chunks_]) ++prefix_chunks_;
+    if (on_prefix_ && prefix_chunks_ != before) {
+        const Chunk& last = chunks_[prefix_chunks_ - 1];
+        on_prefix_(last.offset + last.length_bytes - source_offset_);  // under the lock: in order
+    }
     if (--remaining_ == 0 && !over_) {
         over_ = true;
         changed_.notify_all();
@@ -531,7 +544,7 @@ PullStats Pull::finish(Clock::time_point started) {
 PullStats pull(const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
                uint64_t source_offset, uint64_t length_bytes, uint8_t* dest, uint32_t streams,
                uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel,
-               const TlsFiles& tls) {
+               const TlsFiles& tls, const std::function<void(uint64_t)>& on_prefix) {
     if (streams == 0) streams = kDefaultPullStreams;
     if (chunk_bytes == 0) chunk_bytes = kDefaultPullChunkBytes;
     if (streams > kMaxPullStreams)
@@ -557,7 +570,8 @@ PullStats pull(const std::string& host, uint16_t port, const std::string& token,
 
     ssl_ctx_st* tls_ctx = tls.enabled() ? tls::client_context(tls) : nullptr;
     Pull p(std::move(addresses), host, net::describe(host, port), token, tls_ctx, ticket,
-           source_offset, dest, deadline, tls.enabled() ? tls.ca + '\n' + tls.cert : "");
+           source_offset, dest, deadline, tls.enabled() ? tls.ca + '\n' + tls.cert : "",
+           on_prefix);
     for (uint64_t offset = 0; offset < length_bytes; offset += chunk_bytes)
         p.add_chunk(source_offset + offset, std::min(chunk_bytes, length_bytes - offset));
     const uint64_t chunk_count = (length_bytes + chunk_bytes - 1) / chunk_bytes;

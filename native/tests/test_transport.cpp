@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -388,6 +389,72 @@ void test_connection_cap() {
     CHECK(seconds_since(stop_start) < 10);  // bounded, not instant: the machine may be loaded
 }
 
+// Chain fan-out: a relay's pool receives a range while a reader pulls it from the relay.
+void test_growing_range_serves_only_what_arrived() {
+    constexpr uint64_t kSize = 16ull << 20, kStep = 1ull << 20;
+    std::vector<uint8_t> relay_pool(kSize, 0);
+    tc::DataServer relay{"127.0.0.1", 0, relay_pool.data(), kSize, kToken};
+    relay.begin_growing(0, kSize);
+    bool refused = false;
+    try {
+        relay.begin_growing(kSize / 2, kStep);  // overlaps
+    } catch (const std::invalid_argument&) {
+        refused = true;
+    }
+    CHECK(refused);
+    const uint64_t ticket = relay.open_ticket(0, kSize, 60'000);
+    std::vector<uint8_t> dest(kSize, 0);
+    std::atomic<bool> pulled{false};
+    std::thread reader([&] {
+        tc::pull("127.0.0.1", relay.port(), kToken, ticket, 0, kSize, dest.data(), 4, kStep,
+                 60'000, nullptr);
+        pulled = true;
+    });
+    // The bytes arrive step by step; each is in place before it is announced. The reader gets
+    // the final bytes only if nothing was served before it arrived.
+    for (uint64_t offset = 0; offset < kSize; offset += kStep) {
+        CHECK(!pulled);  // it cannot have finished: the rest has not arrived
+        std::memcpy(relay_pool.data() + offset, pool().data() + offset, kStep);
+        relay.advance_growing(0, offset + kStep);
+    }
+    reader.join();
+    CHECK(equals_pool(dest, 0));
+
+    // A real chain: source -> relay (its pull announces its verified prefix) -> reader.
+    Fixture source;
+    std::fill(relay_pool.begin(), relay_pool.end(), 0);
+    relay.end_growing(0);
+    relay.begin_growing(0, kSize);
+    std::fill(dest.begin(), dest.end(), 0);
+    std::vector<uint64_t> prefixes;
+    std::thread reader2([&] {
+        tc::pull("127.0.0.1", relay.port(), kToken, ticket, 0, kSize, dest.data(), 4, 0,
+                 60'000, nullptr);
+    });
+    tc::pull("127.0.0.1", source.server.port(), kToken, source.ticket, 0, kSize,
+             relay_pool.data(), 4, kStep, 60'000, nullptr, {}, [&](uint64_t received) {
+                 prefixes.push_back(received);
+                 relay.advance_growing(0, received);
+             });
+    reader2.join();
+    CHECK(equals_pool(dest, 0));
+    CHECK(!prefixes.empty() && prefixes.back() == kSize);
+    CHECK(std::is_sorted(prefixes.begin(), prefixes.end()));
+    CHECK(std::adjacent_find(prefixes.begin(), prefixes.end()) == prefixes.end());  // strictly
+
+    // Abandoned (the relay's own pull failed): closing the ticket ends a waiting reader with
+    // a rejection it can act on (try another source), not a stall.
+    relay.end_growing(0);
+    relay.begin_growing(0, kSize);
+    const uint64_t doomed = relay.open_ticket(0, kSize, 60'000);
+    std::thread closer([&] { relay.close_ticket(doomed); });
+    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kTicketRejected, [&] {
+        tc::pull("127.0.0.1", relay.port(), kToken, doomed, 0, kSize, dest.data(), 2, 0, 60'000,
+                 nullptr);
+    }));
+    closer.join();
+}
+
 }  // namespace
 
 int main() {
@@ -405,6 +472,7 @@ int main() {
         {"server_stop_mid_pull", test_server_stop_mid_pull},
         {"server_protocol_errors", test_server_protocol_errors},
         {"connection_cap", test_connection_cap},
+        {"growing_range_serves_only_what_arrived", test_growing_range_serves_only_what_arrived},
     };
     for (const auto& test : tests) {
         const int before = failures;

@@ -1,5 +1,6 @@
 """Make a worker hold a replica of an artifact, pulled from the best peer (same host first, then
-least loaded) over parallel streams, verified before it is listed. A no-op if it has one."""
+least loaded) over parallel streams, verified before it is listed. A no-op if it has one.
+Several --to workers form a pipelined chain: each relays what it has received to the next."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ NAME = "prefetch"
 
 def command(
     art_id: Annotated[str, typer.Argument(help="Artifact id.")],
-    to: Annotated[str, typer.Option("--to", help="Target worker (name or id).")],
+    to: Annotated[
+        list[str],
+        typer.Option(
+            "--to",
+            help="Target worker (name or id). Repeat it for several: they receive the artifact "
+            "as a chain (each relays to the next while receiving), in the order given.",
+        ),
+    ],
     streams: Annotated[
         int, typer.Option("--streams", min=0, max=64, help="Parallel TCP streams (0: default).")
     ] = 0,
@@ -34,14 +42,23 @@ def command(
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from tensorcast.config import format_size
-
+    if len(to) > 1 and device != "cpu":
+        raise typer.BadParameter("several --to workers take --device cpu only", param_hint="--to")
     with connect(state_dir, addr, token) as rt:
-        reply = rt.artifact(art_id).prefetch(to, device, timeout_s=timeout, streams=streams)
-    rate = reply.bytes_moved / reply.elapsed_s / 1e9 if reply.elapsed_s else 0.0
-    data = {
+        art = rt.artifact(art_id)
+        if len(to) == 1:
+            replies = [art.prefetch(to[0], device, timeout_s=timeout, streams=streams)]
+        else:
+            replies = art.prefetch_chain(to, timeout_s=timeout, streams=streams)
+    rows = [_row(art_id, worker, device, reply) for worker, reply in zip(to, replies)]
+    human = "\n".join(_human(art_id, row) for row in rows)
+    emit(as_json, rows[0] if len(rows) == 1 else {"art_id": art_id, "chain": rows}, human)
+
+
+def _row(art_id: str, worker: str, device: str, reply) -> dict:
+    return {
         "art_id": art_id,
-        "worker": to,
+        "worker": worker,
         "device": device,
         "already_present": reply.already_present,
         "bytes_moved": reply.bytes_moved,
@@ -49,10 +66,15 @@ def command(
         "elapsed_s": round(reply.elapsed_s, 4),
         "retries": reply.retries,
     }
-    human = (
-        f"{to} already holds {art_id}"
-        if reply.already_present
-        else f"prefetched {art_id} to {to}: {format_size(reply.bytes_moved)} in "
-        f"{reply.elapsed_s:.2f}s ({rate:.2f} GB/s)"
+
+
+def _human(art_id: str, row: dict) -> str:
+    from tensorcast.config import format_size
+
+    if row["already_present"]:
+        return f"{row['worker']} already holds {art_id}"
+    rate = row["bytes_moved"] / row["elapsed_s"] / 1e9 if row["elapsed_s"] else 0.0
+    return (
+        f"prefetched {art_id} to {row['worker']}: {format_size(row['bytes_moved'])} in "
+        f"{row['elapsed_s']:.2f}s ({rate:.2f} GB/s) from {row['source_worker_id']}"
     )
-    emit(as_json, data, human)

@@ -605,12 +605,14 @@ class WriteMessage(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., size_bytes: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class OpenTransferRequest(_message.Message):
-    __slots__ = ("content_id", "ttl_ms")
+    __slots__ = ("content_id", "ttl_ms", "relay")
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     content_id: str
     ttl_ms: int
-    def __init__(self, content_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    relay: bool
+    def __init__(self, content_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
     __slots__ = ("ticket", "offset_bytes", "size_bytes", "data_addr", "tensors")
@@ -633,14 +635,16 @@ class CloseTransferRequest(_message.Message):
     def __init__(self, ticket: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("content_id", "timeout_ms", "streams")
+    __slots__ = ("content_id", "timeout_ms", "streams", "relay_from")
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FROM_FIELD_NUMBER: _ClassVar[int]
     content_id: str
     timeout_ms: int
     streams: int
-    def __init__(self, content_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+    relay_from: str
+    def __init__(self, content_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., streams: _Optional[int] = ..., relay_from: _Optional[str] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("already_present", "bytes_moved", "source_worker_id", "elapsed_s", "retries")

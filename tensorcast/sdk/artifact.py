@@ -208,10 +208,53 @@ class Artifact:
             from tensorcast.sdk import device as on_device
 
             return on_device.prefetch_to_tier(self, target, device, timeout_s)
+        return self._prefetch(target, timeout_s, streams, relay_from="")
+
+    def prefetch_chain(
+        self,
+        workers: Sequence[str | WorkerInfo],
+        *,
+        timeout_s: float = 60.0,
+        streams: int = 0,
+    ) -> list[pb.PrefetchReply]:
+        """Make every worker of `workers` hold a replica, as a pipelined chain: the first pulls
+        from the best replica, each next one from the one before while it receives, so N
+        workers cost about one transfer, not N through the source's link. Workers that hold it
+        already stay out of the chain. A link that cannot relay makes the next one pull from
+        the usual sources; every replica is verified. Replies in the order of `workers`."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        targets = [
+            w if isinstance(w, WorkerInfo) else self.runtime.resolve_worker(w) for w in workers
+        ]
+        if len({t.worker_id for t in targets}) != len(targets):
+            raise InvalidArgument("prefetch_chain: a worker is named twice")
+        if not targets:
+            return []
+        holders = {r.worker_id for r in self.refresh().info.replicas if r.tier == "cpu"}
+        upstream: dict[str, str] = {}
+        previous = ""
+        for t in targets:
+            if t.worker_id not in holders:
+                upstream[t.worker_id] = previous
+                previous = t.worker_id
+        with ThreadPoolExecutor(max_workers=min(len(targets), 16)) as pool:
+            futures = [
+                pool.submit(self._prefetch, t, timeout_s, streams, upstream.get(t.worker_id, ""))
+                for t in targets
+            ]
+            return [f.result() for f in futures]
+
+    def _prefetch(
+        self, target: WorkerInfo, timeout_s: float, streams: int, relay_from: str
+    ) -> pb.PrefetchReply:
         return self.runtime.worker_stub(target).call(
             "Prefetch",
             pb.PrefetchRequest(
-                content_id=self.content_id, timeout_ms=int(timeout_s * 1000), streams=streams
+                content_id=self.content_id,
+                timeout_ms=int(timeout_s * 1000),
+                streams=streams,
+                relay_from=relay_from,
             ),
             timeout_s=timeout_s + 5.0,
         )

@@ -123,11 +123,14 @@ def pull(
     streams: int = 0,
     timeout_s: float = 30.0,
     tls: TLSFiles | None = None,
+    relay: Any = None,
 ) -> dict:
     """Pull [source_offset, +length) of a peer's pool into `dest` over parallel TCP streams.
 
     Chunks are checksummed and retried on another stream; raises `DeadlineExceeded` past
-    `timeout_s`, `Unavailable` when the source cannot serve (try another replica).
+    `timeout_s`, `Unavailable` when the source cannot serve (try another replica). `relay`: this
+    process's DataServer, whose growing range at `dest_offset` (begin_growing) follows the
+    verified prefix, so peers read it onward while it arrives (chain fan-out).
     """
     from tensorcast.errors import DeadlineExceeded, Unavailable
 
@@ -146,6 +149,8 @@ def pull(
                 streams=streams,
                 timeout_ms=max(1, int(timeout_s * 1000)),
                 tls=_tls_paths(tls),
+                relay=relay,
+                relay_offset=dest_offset,
             )
         )
     except _native.TransferTimeout as e:

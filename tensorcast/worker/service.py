@@ -136,13 +136,13 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
         return _commit_reply(self.node.commit(res.reservation_id, tensors, verify))
 
     def OpenTransfer(self, request, context):
-        ticket, content = self.transfers.open(request.content_id, request.ttl_ms)
+        opened = self.transfers.open(request.content_id, request.ttl_ms, request.relay)
         return pb.TransferTicket(
-            ticket=ticket,
-            offset_bytes=content.offset,
-            size_bytes=content.size_bytes,
+            ticket=opened.ticket,
+            offset_bytes=opened.offset,
+            size_bytes=opened.size_bytes,
             data_addr=self.node.data_addr,
-            tensors=[tensor_to_pb(t) for t in content.tensors],
+            tensors=[tensor_to_pb(t) for t in opened.tensors],
         )
 
     def CloseTransfer(self, request, context):
@@ -151,7 +151,9 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
 
     def Prefetch(self, request, context):
         timeout_s = (request.timeout_ms or 60_000) / 1000
-        result = self.transfers.prefetch(request.content_id, timeout_s, request.streams)
+        result = self.transfers.prefetch(
+            request.content_id, timeout_s, request.streams, request.relay_from
+        )
         return pb.PrefetchReply(
             already_present=result.already_present,
             bytes_moved=result.bytes_moved,

@@ -4,13 +4,18 @@ and prefetch, which pulls a content from the best peer into this one.
 A ticket holds its content (it cannot be freed mid-transfer) until closed or expired. A pulled
 replica is verified against the per-tensor hashes recorded in the Global Store before it is
 committed and listed: a partial or corrupt replica is never visible.
+
+Chain fan-out: a replica being received can be read by the next worker of a chain (a relay
+ticket on the reservation; the data server makes READs wait for bytes not yet arrived and the
+pull announces its verified prefix), so N destinations cost about one transfer. The reservation
+is committed or freed only after its relay readers are done; each reader verifies its own copy.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorcast.config import send_token
@@ -26,8 +31,9 @@ from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.client import Stub
 from tensorcast.rpc.convert import replica_from_pb, tensors_from_pb, worker_from_pb
 from tensorcast.transport import native
+from tensorcast.types import TensorMeta
 from tensorcast.worker.node import WorkerNode
-from tensorcast.worker.pool import Content
+from tensorcast.worker.pool import Content, Reservation
 
 DEFAULT_TICKET_TTL_MS = 120_000
 # A ticket no READ used for this long is closed early: its puller died (a live pull reads every
@@ -35,12 +41,34 @@ DEFAULT_TICKET_TTL_MS = 120_000
 # the content in memory until the ticket's deadline.
 TICKET_IDLE_S = 20.0
 MAX_TICKETS = 1024
+# A relay open waits this long at most for this worker's own pull of the content to start (the
+# links of a chain are asked at once) before the reader falls back to the usual sources.
+RELAY_START_WAIT_S = 5.0
 
 
 @dataclass
 class _Ticket:
-    content: Content
+    content: Content | None  # None: a relay ticket on a replica still being received
     expires_at: float
+    receiving: str = ""  # that replica's content id
+
+
+@dataclass
+class _Receiving:
+    """A replica being pulled into a reservation here, readable by relay tickets."""
+
+    offset: int
+    size_bytes: int
+    tensors: list[TensorMeta]
+    tickets: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class OpenedTicket:
+    ticket: int
+    offset: int
+    size_bytes: int
+    tensors: tuple[TensorMeta, ...]
 
 
 @dataclass(frozen=True)
@@ -58,6 +86,8 @@ class Transfers:
         self.data_server = data_server
         self._tickets: dict[int, _Ticket] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # receiving started/ended, ticket closed
+        self._receiving: dict[str, _Receiving] = {}
         self._inflight: dict[str, threading.Lock] = {}
         self.bytes_received_total = 0
         node.active_transfers = self.active
@@ -67,24 +97,63 @@ class Transfers:
 
     # -- serving peers -------------------------------------------------------------------------
 
-    def open(self, content_id: str, ttl_ms: int) -> tuple[int, Content]:
+    def open(self, content_id: str, ttl_ms: int, relay: bool = False) -> OpenedTicket:
+        """A ticket on a content held here; with `relay`, also on one still being received
+        (waiting up to RELAY_START_WAIT_S for that pull to start)."""
         ttl_ms = min(ttl_ms or DEFAULT_TICKET_TTL_MS, 10 * DEFAULT_TICKET_TTL_MS)
         self.expire()
         with self._lock:
             if len(self._tickets) >= MAX_TICKETS:
                 raise Unavailable("too many transfers in flight on this worker; retry later")
+        if relay:
+            opened = self._open_relay(content_id, ttl_ms)
+            if opened is not None:
+                return opened
         content = self.node.load_and_hold(content_id)
         ticket = self.data_server.open_ticket(content.offset, content.size_bytes, ttl_ms)
         with self._lock:
             self._tickets[ticket] = _Ticket(content, time.monotonic() + ttl_ms / 1000)
-        return ticket, content
+        return OpenedTicket(ticket, content.offset, content.size_bytes, content.tensors)
+
+    def _open_relay(self, content_id: str, ttl_ms: int) -> OpenedTicket | None:
+        """A ticket on the replica being received, or None once the content is held here."""
+        give_up = time.monotonic() + min(RELAY_START_WAIT_S, ttl_ms / 1000)
+        with self._changed:
+            while True:
+                receiving = self._receiving.get(content_id)
+                if receiving is not None:
+                    ticket = self.data_server.open_ticket(
+                        receiving.offset, receiving.size_bytes, ttl_ms
+                    )
+                    receiving.tickets.add(ticket)
+                    self._tickets[ticket] = _Ticket(
+                        None, time.monotonic() + ttl_ms / 1000, receiving=content_id
+                    )
+                    return OpenedTicket(
+                        ticket, receiving.offset, receiving.size_bytes, tuple(receiving.tensors)
+                    )
+                try:
+                    self.node.pool.get(content_id)
+                    return None
+                except NotFound:
+                    pass
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise NotFound(
+                        f"worker {self.node.name} neither holds nor receives content {content_id}"
+                    )
+                self._changed.wait(left)
 
     def close(self, ticket: int) -> None:
-        with self._lock:
+        with self._changed:
             entry = self._tickets.pop(ticket, None)
+            if entry is not None and entry.receiving in self._receiving:
+                self._receiving[entry.receiving].tickets.discard(ticket)
+            self._changed.notify_all()
         if entry is not None:
             self.data_server.close_ticket(ticket)
-            self.node.pool.release(entry.content)
+            if entry.content is not None:
+                self.node.pool.release(entry.content)
 
     def expire(self) -> None:
         """Close tickets past their deadline, and those left idle by a puller that died."""
@@ -116,7 +185,11 @@ class Transfers:
         except TensorcastError:
             pass
 
-    def prefetch(self, content_id: str, timeout_s: float, streams: int) -> PrefetchResult:
+    def prefetch(
+        self, content_id: str, timeout_s: float, streams: int, relay_from: str = ""
+    ) -> PrefetchResult:
+        """Pull `content_id` here from the best replica; with `relay_from` (a chain's previous
+        worker), from that worker while it receives the content itself, if it can serve."""
         started = time.monotonic()
         deadline = started + timeout_s
         with self._lock:
@@ -130,27 +203,43 @@ class Transfers:
                 return PrefetchResult(True, 0, self.node.worker_id, 0.0, 0)
             except NotFound:
                 pass
-            return self._pull(content_id, started, deadline, streams)
+            return self._pull(content_id, started, deadline, streams, relay_from)
         finally:
             gate.release()
 
     def _pull(
-        self, content_id: str, started: float, deadline: float, streams: int
+        self, content_id: str, started: float, deadline: float, streams: int, relay_from: str
     ) -> PrefetchResult:
         node = self.node
         found = node.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
         if not found.exists:
             raise NotFound(f"no content {content_id} in the cluster")
         workers = [worker_from_pb(w) for w in node.store.call("ListWorkers", pb.Empty()).workers]
-        sources = order_sources(
-            [replica_from_pb(r) for r in found.replicas], workers, node.host_id, node.worker_id
+        sources = [
+            (source, False)
+            for source in order_sources(
+                [replica_from_pb(r) for r in found.replicas],
+                workers,
+                node.host_id,
+                node.worker_id,
+            )
+        ]
+        upstream = next(
+            (
+                w
+                for w in workers
+                if w.worker_id == relay_from and w.alive and relay_from != node.worker_id
+            ),
+            None,
         )
+        if upstream is not None:
+            sources.insert(0, (upstream, True))
         if not sources:
             raise Unavailable(f"content {content_id} has no live replica to copy from")
         tensors = list(tensors_from_pb(found.tensors))
         size = max((t.offset_bytes + t.size_bytes for t in tensors), default=0)
         errors: list[str] = []
-        for attempt, source in enumerate(sources):
+        for attempt, (source, relay) in enumerate(sources):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -159,9 +248,9 @@ class Transfers:
                 ticket = peer.call(
                     "OpenTransfer",
                     pb.OpenTransferRequest(
-                        content_id=content_id, ttl_ms=int(remaining * 1000) + 5000
+                        content_id=content_id, ttl_ms=int(remaining * 1000) + 5000, relay=relay
                     ),
-                    timeout_s=min(remaining, 10.0),
+                    timeout_s=min(remaining, 10.0 + (RELAY_START_WAIT_S if relay else 0.0)),
                 )
                 if not all(t.hash_hex for t in tensors):
                     # Registered by reference and read for the first time by this open: the
@@ -171,6 +260,7 @@ class Transfers:
                     )
                     tensors = list(tensors_from_pb(again.tensors))
                 res = node.reserve(ticket.size_bytes)
+                self._begin_receiving(content_id, res, tensors)
                 try:
                     native.pull(
                         ticket.data_addr,
@@ -183,12 +273,17 @@ class Transfers:
                         streams=streams,
                         timeout_s=deadline - time.monotonic(),
                         tls=node.tls,
+                        relay=self.data_server,
                     )
+                    # Our relay readers read from the reservation: it lives until they are done.
+                    self._drain_relay_readers(content_id, deadline)
                 except BaseException:
+                    self._end_receiving(content_id)
                     node.pool.abort(res.reservation_id)
                     raise
                 finally:
                     self._close_remote(peer, ticket.ticket, deadline)
+                self._end_receiving(content_id)
                 node.commit(
                     res.reservation_id,
                     tensors,
@@ -206,9 +301,38 @@ class Transfers:
                     attempt,
                 )
             except (Unavailable, NotFound, IntegrityError, DeadlineExceeded) as e:
-                errors.append(f"{source.name}: {e}")
+                errors.append(f"{source.name}{' (relay)' if relay else ''}: {e}")
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(
                 f"prefetch of {content_id} ({size} bytes) missed its deadline: {'; '.join(errors)}"
             )
         raise Unavailable(f"no replica of {content_id} could be copied: {'; '.join(errors)}")
+
+    # -- chain fan-out -------------------------------------------------------------------------
+
+    def _begin_receiving(
+        self, content_id: str, res: Reservation, tensors: list[TensorMeta]
+    ) -> None:
+        self.data_server.begin_growing(res.offset, res.size_bytes)
+        with self._changed:
+            self._receiving[content_id] = _Receiving(res.offset, res.size_bytes, tensors)
+            self._changed.notify_all()
+
+    def _drain_relay_readers(self, content_id: str, deadline: float) -> None:
+        """Wait (until just before `deadline`) for the relay readers to close their tickets."""
+        with self._changed:
+            receiving = self._receiving[content_id]
+            while receiving.tickets:
+                left = deadline - 0.5 - time.monotonic()
+                if left <= 0:
+                    return  # _end_receiving closes the stragglers; they fall back elsewhere
+                self._changed.wait(left)
+
+    def _end_receiving(self, content_id: str) -> None:
+        """No more relay reads of this reservation: close what is left of them first."""
+        with self._changed:
+            receiving = self._receiving.pop(content_id)
+            self._changed.notify_all()
+        for ticket in list(receiving.tickets):
+            self.close(ticket)
+        self.data_server.end_growing(receiving.offset)

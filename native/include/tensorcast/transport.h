@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,9 @@ constexpr uint32_t kMaxReadsInFlight = 4;  // per connection
 constexpr uint32_t kMaxChunkRetries = 3;
 constexpr uint32_t kMaxReconnects = 2;     // per pull, once every connection has died
 constexpr uint32_t kMaxServerConnections = 256;
+// A READ of a growing range waits this long at most for its bytes to arrive (then ERROR busy):
+// below a puller's 10 s receive stall, so the reader sees a reason, not a silent stall.
+constexpr int kGrowingWaitMs = 8'000;
 
 // PEM files for mutual TLS on the data plane: the CA that signs every member, and this
 // process's certificate and key. An empty `ca` means plaintext.
@@ -64,6 +68,16 @@ public:
     // Tickets not read for idle_ms (since opened or since their last READ): a puller that
     // died leaves its ticket idle, and the owner frees what the ticket holds before it expires.
     std::vector<uint64_t> idle_tickets(uint32_t idle_ms) const;
+
+    // Growing ranges (chain fan-out): [offset, offset + length_bytes) of the pool is being
+    // received by a pull. A READ reaching past what has arrived waits for it (at most
+    // kGrowingWaitMs), so a replica in flight serves its received prefix onward.
+    // advance_growing() only moves forward; end_growing() lifts the wait (received in full,
+    // or abandoned: the owner closes the tickets on the range first). Throws
+    // std::invalid_argument for a range outside the pool or one overlapping another.
+    void begin_growing(uint64_t offset, uint64_t length_bytes);
+    void advance_growing(uint64_t offset, uint64_t received_bytes);
+    void end_growing(uint64_t offset);  // unknown offsets are ignored
 
     // Test hooks; a "chunk" is the full answer to one READ. The next n chunks
     // (any connection) each carry one DATA frame whose checksum has a bit
@@ -110,10 +124,13 @@ struct PullStats {
 // Returns or throws only after every thread it started has been joined, so no
 // byte of dest is written after it returns. On failure dest holds garbage. With `tls`, every
 // connection is mutual TLS and the server's certificate must name `host`; a failed handshake
-// fails the pull (TransferFailure::kTls).
+// fails the pull (TransferFailure::kTls). `on_prefix`, if set, is called (from the pull's
+// threads, in increasing order) with the length of dest's prefix whose chunks have all been
+// verified: what a relay may already serve onward (DataServer::advance_growing).
 PullStats pull(const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
                uint64_t source_offset, uint64_t length_bytes, uint8_t* dest, uint32_t streams,
                uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel,
-               const TlsFiles& tls = {});
+               const TlsFiles& tls = {},
+               const std::function<void(uint64_t)>& on_prefix = {});
 
 }  // namespace tc
