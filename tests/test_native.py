@@ -82,23 +82,30 @@ def test_read_files_reads_and_hashes_spans_of_many_files(tmp_path):
 
 def test_pulls_reuse_idle_connections_to_the_same_server():
     """A finished pull leaves its authenticated connections for the next pull from the same
-    server: the second pull opens none; a wrong token never gets a pooled connection."""
+    server: later pulls open none; a wrong token never gets a pooled connection."""
     from tensorcast.errors import TensorcastError
 
-    source = bytearray(os.urandom(10 << 20))  # three 4 MiB chunks: both streams get one
+    source = bytearray(os.urandom(10 << 20))
     server = native.data_server("127.0.0.1", source, "secret")
     try:
         addr = f"127.0.0.1:{server.port}"
-        for round_ in range(3):
+
+        def pull(streams: int) -> None:
             dest = bytearray(len(source))
             ticket = server.open_ticket(0, len(source), 10_000)
-            stats = native.pull(addr, "secret", ticket, 0, len(source), dest, 0, streams=2)
+            stats = native.pull(addr, "secret", ticket, 0, len(source), dest, 0, streams=streams)
             server.close_ticket(ticket)
             assert dest == source and stats["bytes"] == len(source)
-            if round_ == 0:
-                opened = server.stats()["connections_accepted"]
-                assert opened == 2
-        assert server.stats()["connections_accepted"] == opened  # rounds 2 and 3 reused them
+
+        # One stream: its connection is pooled when the pull ends, whatever the scheduling.
+        for _ in range(3):
+            pull(1)
+        assert server.stats()["connections_accepted"] == 1
+        # Two streams: one takes the pooled connection, so at most one new one is opened (none
+        # when the first stream finishes every chunk before the second has connected).
+        pull(2)
+        opened = server.stats()["connections_accepted"]
+        assert opened <= 2
         ticket = server.open_ticket(0, len(source), 10_000)
         with pytest.raises(TensorcastError):
             native.pull(addr, "wrong", ticket, 0, len(source), bytearray(len(source)), 0)
