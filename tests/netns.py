@@ -80,10 +80,13 @@ class Network:
     def set_link(self, ns: str, up: bool) -> None:
         _ip("link", "set", self.veth(ns), "up" if up else "down")
 
-    def limit_rate(self, ns: str, rate: str) -> None:
-        """Shape what leaves `ns` (its eth0 egress) to `rate`, e.g. "200mbit"."""
+    def limit_rate(self, ns: str, rate: str, queue_ms: float = 200) -> None:
+        """Shape what leaves `ns` (its eth0 egress) to `rate`, e.g. "200mbit", queueing at most
+        `queue_ms` of data (a NIC's queue is short: what leaves a host that sends data delays
+        the ACKs of what it receives by that much)."""
         qdisc = (
-            f"{IPROUTE_TC} qdisc replace dev eth0 root tbf rate {rate} burst 256kb latency 200ms"
+            f"{IPROUTE_TC} qdisc replace dev eth0 root tbf rate {rate} burst 256kb "
+            f"latency {queue_ms}ms"
         )
         proc = subprocess.run(
             ["ip", "netns", "exec", ns, *qdisc.split()], capture_output=True, text=True

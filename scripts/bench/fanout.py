@@ -85,6 +85,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--rate", default="2gbit", help="tbf rate of each host's egress")
+    ap.add_argument(
+        "--queue-ms",
+        type=float,
+        default=200,
+        help="longest queue of the shaper, in ms of data (a relay's outgoing data delays the "
+        "ACKs of its incoming flow by up to this much)",
+    )
     args = ap.parse_args()
     reason = netns.unavailable_reason()
     if reason:
@@ -97,7 +104,7 @@ def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="tc-bench-fanout-"))
     network.setup()
     for ns in names:
-        network.limit_rate(ns, args.rate)
+        network.limit_rate(ns, args.rate, args.queue_ms)
     cluster = netns.NetnsCluster(state, TOKEN, network=network)
     report: dict[str, Any] = {
         "bench": "fanout",

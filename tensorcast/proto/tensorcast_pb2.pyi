@@ -635,16 +635,18 @@ class CloseTransferRequest(_message.Message):
     def __init__(self, ticket: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("content_id", "timeout_ms", "streams", "relay_from")
+    __slots__ = ("content_id", "timeout_ms", "streams", "relay_from", "chain")
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FROM_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     content_id: str
     timeout_ms: int
     streams: int
     relay_from: str
-    def __init__(self, content_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., streams: _Optional[int] = ..., relay_from: _Optional[str] = ...) -> None: ...
+    chain: bool
+    def __init__(self, content_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., streams: _Optional[int] = ..., relay_from: _Optional[str] = ..., chain: _Optional[bool] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("already_present", "bytes_moved", "source_worker_id", "elapsed_s", "retries")

@@ -208,7 +208,7 @@ class Artifact:
             from tensorcast.sdk import device as on_device
 
             return on_device.prefetch_to_tier(self, target, device, timeout_s)
-        return self._prefetch(target, timeout_s, streams, relay_from="")
+        return self._prefetch(target, timeout_s, streams, relay_from="", chain=False)
 
     def prefetch_chain(
         self,
@@ -240,13 +240,15 @@ class Artifact:
                 previous = t.worker_id
         with ThreadPoolExecutor(max_workers=min(len(targets), 16)) as pool:
             futures = [
-                pool.submit(self._prefetch, t, timeout_s, streams, upstream.get(t.worker_id, ""))
+                pool.submit(
+                    self._prefetch, t, timeout_s, streams, upstream.get(t.worker_id, ""), True
+                )
                 for t in targets
             ]
             return [f.result() for f in futures]
 
     def _prefetch(
-        self, target: WorkerInfo, timeout_s: float, streams: int, relay_from: str
+        self, target: WorkerInfo, timeout_s: float, streams: int, relay_from: str, chain: bool
     ) -> pb.PrefetchReply:
         return self.runtime.worker_stub(target).call(
             "Prefetch",
@@ -255,6 +257,7 @@ class Artifact:
                 timeout_ms=int(timeout_s * 1000),
                 streams=streams,
                 relay_from=relay_from,
+                chain=chain,
             ),
             timeout_s=timeout_s + 5.0,
         )

@@ -124,6 +124,7 @@ def pull(
     timeout_s: float = 30.0,
     tls: TLSFiles | None = None,
     relay: Any = None,
+    chunk_bytes: int = 0,
 ) -> dict:
     """Pull [source_offset, +length) of a peer's pool into `dest` over parallel TCP streams.
 
@@ -147,6 +148,7 @@ def pull(
                 dest,
                 dest_offset,
                 streams=streams,
+                chunk_bytes=chunk_bytes,
                 timeout_ms=max(1, int(timeout_s * 1000)),
                 tls=_tls_paths(tls),
                 relay=relay,

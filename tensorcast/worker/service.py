@@ -152,7 +152,11 @@ class WorkerService(pb_grpc.WorkerServiceServicer):
     def Prefetch(self, request, context):
         timeout_s = (request.timeout_ms or 60_000) / 1000
         result = self.transfers.prefetch(
-            request.content_id, timeout_s, request.streams, request.relay_from
+            request.content_id,
+            timeout_s,
+            request.streams,
+            request.relay_from,
+            request.chain,
         )
         return pb.PrefetchReply(
             already_present=result.already_present,

@@ -44,6 +44,11 @@ MAX_TICKETS = 1024
 # A relay open waits this long at most for this worker's own pull of the content to start (the
 # links of a chain are asked at once) before the reader falls back to the usual sources.
 RELAY_START_WAIT_S = 5.0
+# A chain's links pull in smaller chunks than the default 4 MiB: the next link reads a chunk
+# only once it is whole and verified, and with several streams a few chunks complete together,
+# so each link lags the one before by about streams x chunk. 1 MiB x 4 streams kept three
+# links within 1.2x of one transfer on 2 Gbit/s links, 4 MiB gave 1.4x (scripts/bench/fanout.py).
+CHAIN_CHUNK_BYTES = 1 << 20
 
 
 @dataclass
@@ -186,10 +191,16 @@ class Transfers:
             pass
 
     def prefetch(
-        self, content_id: str, timeout_s: float, streams: int, relay_from: str = ""
+        self,
+        content_id: str,
+        timeout_s: float,
+        streams: int,
+        relay_from: str = "",
+        chain: bool = False,
     ) -> PrefetchResult:
         """Pull `content_id` here from the best replica; with `relay_from` (a chain's previous
-        worker), from that worker while it receives the content itself, if it can serve."""
+        worker), from that worker while it receives the content itself, if it can serve.
+        `chain`: this worker is a link of a chain (small chunks, so the next one lags little)."""
         started = time.monotonic()
         deadline = started + timeout_s
         with self._lock:
@@ -203,12 +214,18 @@ class Transfers:
                 return PrefetchResult(True, 0, self.node.worker_id, 0.0, 0)
             except NotFound:
                 pass
-            return self._pull(content_id, started, deadline, streams, relay_from)
+            return self._pull(content_id, started, deadline, streams, relay_from, chain)
         finally:
             gate.release()
 
     def _pull(
-        self, content_id: str, started: float, deadline: float, streams: int, relay_from: str
+        self,
+        content_id: str,
+        started: float,
+        deadline: float,
+        streams: int,
+        relay_from: str,
+        chain: bool,
     ) -> PrefetchResult:
         node = self.node
         found = node.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
@@ -274,6 +291,7 @@ class Transfers:
                         timeout_s=deadline - time.monotonic(),
                         tls=node.tls,
                         relay=self.data_server,
+                        chunk_bytes=CHAIN_CHUNK_BYTES if chain else 0,
                     )
                     # Our relay readers read from the reservation: it lives until they are done.
                     self._drain_relay_readers(content_id, deadline)
