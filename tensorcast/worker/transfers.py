@@ -13,6 +13,7 @@ is committed or freed only after its relay readers are done; each reader verifie
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from tensorcast.transport import native
 from tensorcast.types import TensorMeta
 from tensorcast.worker.node import WorkerNode
 from tensorcast.worker.pool import Content, Reservation
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TICKET_TTL_MS = 120_000
 # A ticket no READ used for this long is closed early: its puller died (a live pull reads every
@@ -293,22 +296,25 @@ class Transfers:
                         relay=self.data_server,
                         chunk_bytes=CHAIN_CHUNK_BYTES if chain else 0,
                     )
-                    # Our relay readers read from the reservation: it lives until they are done.
-                    self._drain_relay_readers(content_id, deadline)
                 except BaseException:
-                    self._end_receiving(content_id)
+                    self._stop_receiving(content_id, wait_until=None)
                     node.pool.abort(res.reservation_id)
                     raise
                 finally:
                     self._close_remote(peer, ticket.ticket, deadline)
-                self._end_receiving(content_id)
-                node.commit(
-                    res.reservation_id,
-                    tensors,
-                    verify_hashes=True,
-                    replica=True,
-                    content_id=content_id,
-                )
+                # Relay readers read from the reservation: it lives until they are done.
+                self._stop_receiving(content_id, wait_until=deadline - 0.5)
+                try:
+                    node.commit(
+                        res.reservation_id,
+                        tensors,
+                        verify_hashes=True,
+                        replica=True,
+                        content_id=content_id,
+                    )
+                finally:
+                    with self._changed:  # relay opens waiting for it find the content now
+                        self._changed.notify_all()
                 with self._lock:
                     self.bytes_received_total += ticket.size_bytes
                 return PrefetchResult(
@@ -320,6 +326,7 @@ class Transfers:
                 )
             except (Unavailable, NotFound, IntegrityError, DeadlineExceeded) as e:
                 errors.append(f"{source.name}{' (relay)' if relay else ''}: {e}")
+                log.warning("prefetch of %s: %s", content_id, errors[-1])
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(
                 f"prefetch of {content_id} ({size} bytes) missed its deadline: {'; '.join(errors)}"
@@ -336,20 +343,18 @@ class Transfers:
             self._receiving[content_id] = _Receiving(res.offset, res.size_bytes, tensors)
             self._changed.notify_all()
 
-    def _drain_relay_readers(self, content_id: str, deadline: float) -> None:
-        """Wait (until just before `deadline`) for the relay readers to close their tickets."""
+    def _stop_receiving(self, content_id: str, wait_until: float | None) -> None:
+        """Open no more relay tickets on this reservation; wait (until `wait_until`, if any)
+        for the readers to close theirs, then cut off the rest (they fall back elsewhere).
+        The last check and the end happen under one lock: no reader slips in between."""
         with self._changed:
             receiving = self._receiving[content_id]
-            while receiving.tickets:
-                left = deadline - 0.5 - time.monotonic()
+            while receiving.tickets and wait_until is not None:
+                left = wait_until - time.monotonic()
                 if left <= 0:
-                    return  # _end_receiving closes the stragglers; they fall back elsewhere
+                    break
                 self._changed.wait(left)
-
-    def _end_receiving(self, content_id: str) -> None:
-        """No more relay reads of this reservation: close what is left of them first."""
-        with self._changed:
-            receiving = self._receiving.pop(content_id)
+            del self._receiving[content_id]
             self._changed.notify_all()
         for ticket in list(receiving.tickets):
             self.close(ticket)
