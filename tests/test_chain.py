@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import start_cluster, wait_dead
+from conftest import start_cluster, wait_dead, wait_until
 
 import tensorcast as tc
 from tensorcast.proto import tensorcast_pb2 as pb
@@ -103,3 +103,32 @@ def test_a_chain_survives_its_source_dying_after_it(tmp_path):
             wait_dead(rt, "worker-1")
             wait_dead(rt, "worker-2")
             assert torch.equal(rt.artifact("chain/d").tensor_dict()["w"], data)
+
+
+def test_an_empty_artifact_goes_down_a_chain(four):
+    with four.connect() as rt:
+        art = rt.put({"e": torch.empty(0), "z": torch.zeros(0, 3)}, "chain/e", worker="worker-1")
+        assert art.size_bytes == 0
+        replies = art.prefetch_chain(["worker-2", "worker-3"])
+        assert all(not r.already_present and r.bytes_moved == 0 for r in replies)
+        holders = {_names(rt)[r.worker_id] for r in rt.info("chain/e").replicas}
+        assert {"worker-2", "worker-3"} <= holders
+        got = rt.artifact("chain/e").tensor_dict()
+        assert got["e"].shape == (0,) and got["z"].shape == (0, 3)
+
+
+def test_a_pull_that_cannot_reserve_closes_its_ticket_at_the_source(tmp_path):
+    for c in start_cluster(tmp_path / "state", workers=2, mem="64MiB"):
+        with c.connect() as rt:
+            art = rt.put({"w": torch.randn(40 * MiB // 4)}, "full/a", worker="worker-1")
+            rt.put({"w": torch.randn(40 * MiB // 4)}, "full/b", worker="worker-2")  # last copy
+            source = rt.worker_stub(rt.resolve_worker("worker-1"))
+            holds = source.call("Status", pb.Empty()).num_holds
+            with pytest.raises(tc.ResourceExhausted):
+                art.prefetch("worker-2")
+            # The ticket worker-2 opened on worker-1 (a hold on the content) before finding no
+            # room is closed, not left to expire.
+            wait_until(lambda s=source, h=holds: s.call("Status", pb.Empty()).num_holds == h, 10)
+            assert [r.worker_id for r in rt.info("full/a").replicas] == [
+                rt.resolve_worker("worker-1").worker_id
+            ]

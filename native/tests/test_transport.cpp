@@ -411,8 +411,10 @@ void test_growing_range_serves_only_what_arrived() {
         pulled = true;
     });
     // The bytes arrive step by step; each is in place before it is announced. The reader gets
-    // the final bytes only if nothing was served before it arrived.
+    // the final bytes only if nothing was served before it arrived (the pause gives it time to
+    // try reading ahead: a server that served unannounced bytes would hand it zeros).
     for (uint64_t offset = 0; offset < kSize; offset += kStep) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
         CHECK(!pulled);  // it cannot have finished: the rest has not arrived
         std::memcpy(relay_pool.data() + offset, pool().data() + offset, kStep);
         relay.advance_growing(0, offset + kStep);
@@ -447,7 +449,10 @@ void test_growing_range_serves_only_what_arrived() {
     relay.end_growing(0);
     relay.begin_growing(0, kSize);
     const uint64_t doomed = relay.open_ticket(0, kSize, 60'000);
-    std::thread closer([&] { relay.close_ticket(doomed); });
+    std::thread closer([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let its READs wait
+        relay.close_ticket(doomed);
+    });
     CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kTicketRejected, [&] {
         tc::pull("127.0.0.1", relay.port(), kToken, doomed, 0, kSize, dest.data(), 2, 0, 60'000,
                  nullptr);

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Runtime
 
 SliceLike = slice | int | Sequence[slice]
+# prefetch_chain's calls in flight at once (one thread each).
+MAX_CHAIN_THREADS = 64
 
 
 class Artifact:
@@ -238,10 +240,18 @@ class Artifact:
             if t.worker_id not in holders:
                 upstream[t.worker_id] = previous
                 previous = t.worker_id
-        with ThreadPoolExecutor(max_workers=min(len(targets), 16)) as pool:
+        relays = set(upstream.values())
+        # Every link must pull at once for the chain to be a pipeline; past MAX_CHAIN_THREADS
+        # the tail links start as others finish (from a whole replica, not a pipelined one).
+        with ThreadPoolExecutor(max_workers=min(len(targets), MAX_CHAIN_THREADS)) as pool:
             futures = [
                 pool.submit(
-                    self._prefetch, t, timeout_s, streams, upstream.get(t.worker_id, ""), True
+                    self._prefetch,
+                    t,
+                    timeout_s,
+                    streams,
+                    upstream.get(t.worker_id, ""),
+                    t.worker_id in relays,
                 )
                 for t in targets
             ]

@@ -44,6 +44,7 @@ class LocalConnection:
         self._live_holds = 0
         self._released: collections.deque[int] = collections.deque()
         self._wake = threading.Event()
+        self._release_lock = threading.Lock()
         self._closing = False
         self._closed = False
         threading.Thread(target=self._release_loop, name="tc-release", daemon=True).start()
@@ -73,7 +74,11 @@ class LocalConnection:
     def request(
         self, message: dict[str, Any], blob: bytes | bytearray | memoryview | None = None
     ) -> dict[str, Any]:
-        """One round trip; `blob` rides along as raw bytes (see transport/unix.py)."""
+        """One round trip; `blob` rides along as raw bytes (see transport/unix.py). Holds of
+        mappings already collected are released first: a request that needs room (an open, a
+        reservation) must not find the pool full of contents this caller let go of."""
+        if self._released and message.get("op") != "release":
+            self._flush_releases()
         return self._roundtrip(message, blob)[0]
 
     def map(self, offset: int, size_bytes: int, writable: bool) -> tuple[mmap.mmap, int]:
@@ -146,10 +151,9 @@ class LocalConnection:
         self._released.append(hold_id)
         self._wake.set()
 
-    def _release_loop(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
+    def _flush_releases(self) -> None:
+        # One flusher at a time: a caller's request waits for a release in flight, too.
+        with self._release_lock:
             while self._released:
                 hold_id = self._released.popleft()
                 with self._lock:
@@ -158,6 +162,12 @@ class LocalConnection:
                     self.release_now(hold_id)
                 except errors.TensorcastError:
                     pass  # connection gone: the worker released everything already
+
+    def _release_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self._flush_releases()
             with self._lock:
                 done = self._closing and self._live_holds == 0
             if done:

@@ -52,6 +52,10 @@ RELAY_START_WAIT_S = 5.0
 # so each link lags the one before by about streams x chunk. 1 MiB x 4 streams kept three
 # links within 1.2x of one transfer on 2 Gbit/s links, 4 MiB gave 1.4x (scripts/bench/fanout.py).
 CHAIN_CHUNK_BYTES = 1 << 20
+# Once a relay has received everything, a reader of it that has not read for this long is
+# taken for dead (a live one reads continuously now that no byte is missing): the relay stops
+# waiting for it before committing.
+RELAY_IDLE_S = 3.0
 
 
 @dataclass
@@ -253,7 +257,8 @@ class Transfers:
             None,
         )
         if upstream is not None:
-            sources.insert(0, (upstream, True))
+            # Asked with relay, it serves a replica it holds as well: once is enough.
+            sources = [(upstream, True)] + [s for s in sources if s[0].worker_id != relay_from]
         if not sources:
             raise Unavailable(f"content {content_id} has no live replica to copy from")
         tensors = list(tensors_from_pb(found.tensors))
@@ -272,34 +277,15 @@ class Transfers:
                     ),
                     timeout_s=min(remaining, 10.0 + (RELAY_START_WAIT_S if relay else 0.0)),
                 )
-                if not all(t.hash_hex for t in tensors):
-                    # Registered by reference and read for the first time by this open: the
-                    # source has just recorded the hashes.
-                    again = node.store.call(
-                        "FindContent", pb.FindContentRequest(content_id=content_id)
-                    )
-                    tensors = list(tensors_from_pb(again.tensors))
-                res = node.reserve(ticket.size_bytes)
-                self._begin_receiving(content_id, res, tensors)
                 try:
-                    native.pull(
-                        ticket.data_addr,
-                        send_token(node.token),
-                        ticket.ticket,
-                        ticket.offset_bytes,
-                        ticket.size_bytes,
-                        node.pool.mm,
-                        res.offset,
-                        streams=streams,
-                        timeout_s=deadline - time.monotonic(),
-                        tls=node.tls,
-                        relay=self.data_server,
-                        chunk_bytes=CHAIN_CHUNK_BYTES if chain else 0,
-                    )
-                except BaseException:
-                    self._stop_receiving(content_id, wait_until=None)
-                    node.pool.abort(res.reservation_id)
-                    raise
+                    if not all(t.hash_hex for t in tensors):
+                        # Registered by reference and read for the first time by this open: the
+                        # source has just recorded the hashes.
+                        again = node.store.call(
+                            "FindContent", pb.FindContentRequest(content_id=content_id)
+                        )
+                        tensors = list(tensors_from_pb(again.tensors))
+                    res = self._receive(content_id, ticket, tensors, deadline, streams, chain)
                 finally:
                     self._close_remote(peer, ticket.ticket, deadline)
                 # Relay readers read from the reservation: it lives until they are done.
@@ -333,11 +319,51 @@ class Transfers:
             )
         raise Unavailable(f"no replica of {content_id} could be copied: {'; '.join(errors)}")
 
+    def _receive(
+        self,
+        content_id: str,
+        ticket: pb.TransferTicket,
+        tensors: list[TensorMeta],
+        deadline: float,
+        streams: int,
+        chain: bool,
+    ) -> Reservation:
+        """Pull a peer's ticket into a new reservation, served onward to relay readers as it
+        arrives; on any failure the reservation is given back."""
+        node = self.node
+        res = node.reserve(ticket.size_bytes)
+        try:
+            self._begin_receiving(content_id, res, tensors)
+            try:
+                native.pull(
+                    ticket.data_addr,
+                    send_token(node.token),
+                    ticket.ticket,
+                    ticket.offset_bytes,
+                    ticket.size_bytes,
+                    node.pool.mm,
+                    res.offset,
+                    streams=streams,
+                    timeout_s=deadline - time.monotonic(),
+                    tls=node.tls,
+                    relay=self.data_server,
+                    chunk_bytes=CHAIN_CHUNK_BYTES if chain else 0,
+                )
+            except BaseException:
+                self._stop_receiving(content_id, wait_until=None)
+                raise
+        except BaseException:
+            node.pool.abort(res.reservation_id)
+            raise
+        return res
+
     # -- chain fan-out -------------------------------------------------------------------------
 
     def _begin_receiving(
         self, content_id: str, res: Reservation, tensors: list[TensorMeta]
     ) -> None:
+        if res.size_bytes == 0:
+            return  # nothing to serve onward: relay opens wait for the commit
         self.data_server.begin_growing(res.offset, res.size_bytes)
         with self._changed:
             self._receiving[content_id] = _Receiving(res.offset, res.size_bytes, tensors)
@@ -345,15 +371,19 @@ class Transfers:
 
     def _stop_receiving(self, content_id: str, wait_until: float | None) -> None:
         """Open no more relay tickets on this reservation; wait (until `wait_until`, if any)
-        for the readers to close theirs, then cut off the rest (they fall back elsewhere).
-        The last check and the end happen under one lock: no reader slips in between."""
+        for its readers to finish, unless all that are left went idle (dead readers), then cut
+        off the rest (they fall back to other sources). The last look and the end happen under
+        one lock: no reader slips in between."""
         with self._changed:
-            receiving = self._receiving[content_id]
+            receiving = self._receiving.get(content_id)
+            if receiving is None:
+                return
             while receiving.tickets and wait_until is not None:
                 left = wait_until - time.monotonic()
-                if left <= 0:
+                idle = self.data_server.idle_tickets(int(RELAY_IDLE_S * 1000))
+                if left <= 0 or receiving.tickets <= set(idle):
                     break
-                self._changed.wait(left)
+                self._changed.wait(min(left, RELAY_IDLE_S / 4))
             del self._receiving[content_id]
             self._changed.notify_all()
         for ticket in list(receiving.tickets):
