@@ -334,25 +334,22 @@ class Transfers:
         res = node.reserve(ticket.size_bytes)
         try:
             self._begin_receiving(content_id, res, tensors)
-            try:
-                native.pull(
-                    ticket.data_addr,
-                    send_token(node.token),
-                    ticket.ticket,
-                    ticket.offset_bytes,
-                    ticket.size_bytes,
-                    node.pool.mm,
-                    res.offset,
-                    streams=streams,
-                    timeout_s=deadline - time.monotonic(),
-                    tls=node.tls,
-                    relay=self.data_server,
-                    chunk_bytes=CHAIN_CHUNK_BYTES if chain else 0,
-                )
-            except BaseException:
-                self._stop_receiving(content_id, wait_until=None)
-                raise
+            native.pull(
+                ticket.data_addr,
+                send_token(node.token),
+                ticket.ticket,
+                ticket.offset_bytes,
+                ticket.size_bytes,
+                node.pool.mm,
+                res.offset,
+                streams=streams,
+                timeout_s=deadline - time.monotonic(),
+                tls=node.tls,
+                relay=self.data_server,
+                chunk_bytes=CHAIN_CHUNK_BYTES if chain else 0,
+            )
         except BaseException:
+            self._stop_receiving(content_id, wait_until=None)  # a no-op if never begun
             node.pool.abort(res.reservation_id)
             raise
         return res
