@@ -17,6 +17,7 @@ from tensorcast.engine.server import engine_request
 from tensorcast.engine.sglang_api import SimHTTPServer
 from tensorcast.engine.sim import (
     CostModel,
+    PrefixCache,
     SimConfig,
     SimEngine,
     block_data,
@@ -80,6 +81,48 @@ def test_lru_evicts_tails_first_and_keeps_the_shared_prefix():
         assert keys[0] in e.cache and keys[7] in e.cache  # the shared system prompt stayed
     finally:
         e.close()
+
+
+def test_the_cache_reuses_the_buffers_of_evicted_blocks_and_never_serves_stale_bytes():
+    cache = PrefixCache(capacity_blocks=4, block_bytes=16)
+    keys = [bytes([i]) * 16 for i in range(8)]
+    for key in keys[:4]:
+        cache.insert(key, block_data(key, 16))
+    first = {k: cache.get(k) for k in keys[:4]}
+    for key in keys[4:]:  # each insert evicts the oldest block and takes over its buffer
+        cache.insert(key, block_data(key, 16))
+    assert len(cache) == 4 and cache.evictions == 4
+    reused = {id(cache.get(k)) for k in keys[4:]}
+    assert reused == {id(b) for b in first.values()}  # no new memory
+    for key in keys[4:]:
+        assert cache.get(key) == block_data(key, 16)  # its own bytes, not the evicted block's
+    # Buffers taken for an import that fails go back; spares never exceed the capacity.
+    taken = cache.take_buffers(6)
+    assert len(taken) == 6
+    for buffer in taken:
+        cache.release(buffer)
+    assert len(cache.take_buffers(4)) == 4 and len(cache) == 4
+
+
+def test_an_export_is_a_copy_that_outlives_the_blocks_it_came_from():
+    a = SimEngine(FAST).start()
+    try:
+        run(a, context(6, 100), session="old")
+        export = a.export_kv("old")
+        before = {name: bytes(page.numpy()) for name, page in export.pages.items()}
+        a.evict("old")
+        a.flush()
+        for s in range(7, 10):  # new blocks land in the evicted blocks' buffers
+            run(a, context(s, 100), session=f"s{s}")
+        assert {name: bytes(page.numpy()) for name, page in export.pages.items()} == before
+        b = SimEngine(FAST).start()
+        try:
+            b.import_kv("old", export)
+            assert b.load().requests == ("old",)
+        finally:
+            b.close()
+    finally:
+        a.close()
 
 
 def test_time_to_first_token_is_at_least_the_modelled_prefill():

@@ -177,12 +177,18 @@ def detokenize(ids: list[int]) -> str:
 
 class PrefixCache:
     """Blocks by key, least recently used first; locked blocks are never evicted. Not
-    thread-safe: the engine's lock guards it."""
+    thread-safe: the engine's lock guards it.
+
+    Each block lives in a buffer the cache owns; an evicted block's buffer is reused by the
+    next insert, like the fixed KV block pool of a real engine. Why: memory this process has
+    touched before takes a copy at memory speed, while fresh pages fault one by one (here a
+    256 MiB import into new allocations took 0.7 s, into reused buffers 0.03 s)."""
 
     def __init__(self, capacity_blocks: int, block_bytes: int) -> None:
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._blocks: OrderedDict[bytes, bytearray] = OrderedDict()
+        self._spare: list[bytearray] = []  # buffers of evicted blocks, at most capacity in all
         self._locks: dict[bytes, int] = {}
         self.evictions = 0
 
@@ -206,17 +212,43 @@ class PrefixCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> bytearray | None:
+        """The block's buffer: valid while the block is locked or the engine's lock is held."""
         return self._blocks.get(key)
 
-    def insert(self, key: bytes, data: bytes, room_for: int = 0) -> None:
-        """Add (or refresh) a block, evicting unlocked LRU blocks so that `room_for` more
-        blocks still fit; may exceed capacity when everything is locked."""
+    def insert(self, key: bytes, data: Any, room_for: int = 0) -> None:
+        """Add a copy of `data` (or refresh the block), evicting unlocked LRU blocks so that
+        `room_for` more blocks still fit; may exceed capacity when everything is locked."""
         if key in self._blocks:
             self._blocks.move_to_end(key)
             return
-        self._blocks[key] = data
-        self.make_room(room_for)
+        self.make_room(room_for + 1)  # first, so that the victim's buffer takes the bytes
+        if self._spare:
+            buffer = self._spare.pop()
+            buffer[:] = data
+        else:
+            buffer = bytearray(data)
+        self._blocks[key] = buffer
+
+    def take_buffers(self, n: int) -> list[bytearray]:
+        """`n` block buffers to fill outside the engine's lock, then `adopt` or `release`."""
+        take = min(n, len(self._spare))
+        out = self._spare[len(self._spare) - take :]
+        del self._spare[len(self._spare) - take :]
+        return out + [bytearray(self.block_bytes) for _ in range(n - take)]
+
+    def adopt(self, key: bytes, buffer: bytearray, room_for: int = 0) -> None:
+        """`insert` of a buffer from `take_buffers` holding the block's bytes (no copy)."""
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            self.release(buffer)
+            return
+        self.make_room(room_for + 1)
+        self._blocks[key] = buffer
+
+    def release(self, buffer: bytearray) -> None:
+        if len(self._blocks) + len(self._spare) < self.capacity_blocks:
+            self._spare.append(buffer)
 
     def make_room(self, room_for: int) -> None:
         excess = len(self._blocks) + room_for - self.capacity_blocks
@@ -230,7 +262,7 @@ class PrefixCache:
                 victims.append(key)
                 excess -= 1
         for key in victims:
-            del self._blocks[key]
+            self.release(self._blocks.pop(key))
         self.evictions += len(victims)
 
     def lock(self, keys: list[bytes]) -> None:
@@ -252,15 +284,13 @@ class PrefixCache:
     def drop(self, keys: list[bytes]) -> int:
         dropped = 0
         for key in keys:
-            if not self._locks.get(key) and self._blocks.pop(key, None) is not None:
+            if not self._locks.get(key) and key in self._blocks:
+                self.release(self._blocks.pop(key))
                 dropped += 1
         return dropped
 
     def clear(self) -> int:
-        keep = OrderedDict((k, v) for k, v in self._blocks.items() if self._locks.get(k))
-        dropped = len(self._blocks) - len(keep)
-        self._blocks = keep
-        return dropped
+        return self.drop(list(self._blocks))
 
 
 @dataclass
@@ -454,7 +484,7 @@ class SimEngine(InstanceAdaptor):
             good += 1
         with self._cv:
             for key, data in zip(wanted[:good], datas[:good]):
-                self.cache.insert(key, bytes(data), room_for=self._reserved_blocks)
+                self.cache.insert(key, data, room_for=self._reserved_blocks)
             self.cache.touch(job.keys[: local + good])
             self.counters["store_get_s"] += time.monotonic() - started
         job.fetched_tokens = good * self.config.page_tokens
@@ -684,14 +714,20 @@ class SimEngine(InstanceAdaptor):
             if record.busy:
                 raise Unavailable(f"session {req_id!r} is running a turn: retry when it ends")
             blocks = self.cache.match(record.keys)
-            datas = [self.cache.get(k) for k in record.keys[:blocks]]
+            held = record.keys[:blocks]
+            self.cache.lock(held)  # their buffers stay put while copied out of the lock
+            datas = [self.cache.get(k) for k in held]
             tokens = list(record.tokens)
             migrations = record.migrations
-        per_page = max(1, PAGE_BYTES_TARGET // c.block_bytes)
-        pages: dict[str, Any] = {}
-        for i, start in enumerate(range(0, blocks, per_page)):
-            chunk = b"".join(d for d in datas[start : start + per_page] if d is not None)
-            pages[f"p{i}"] = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+        try:
+            per_page = max(1, PAGE_BYTES_TARGET // c.block_bytes)
+            pages: dict[str, Any] = {}
+            for i, start in enumerate(range(0, blocks, per_page)):
+                chunk = bytearray().join(datas[start : start + per_page])  # type: ignore[arg-type]
+                pages[f"p{i}"] = torch.frombuffer(chunk, dtype=torch.uint8)
+        finally:
+            with self._cv:
+                self.cache.unlock(held)
         self.counters["exported_bytes"] += blocks * c.block_bytes
         meta = {
             "format": META_FORMAT,
@@ -743,25 +779,47 @@ class SimEngine(InstanceAdaptor):
                 f"KV pages must be exactly {names[:3]}..., got {sorted(export.pages)[:3]}..."
             )
         size = c.block_bytes
-        datas: list[bytes] = []
+        datas: list[memoryview] = []
         for i, name in enumerate(names):
-            raw = _raw_bytes(export.pages[name])
+            raw = _byte_view(export.pages[name])
             count = min(per_page, blocks - i * per_page)
             if len(raw) != count * size:
                 raise InvalidArgument(f"page {name} has {len(raw)} bytes, expected {count * size}")
             datas.extend(raw[j * size : (j + 1) * size] for j in range(count))
-        for key, data in zip(keys, datas):
-            if data != block_data(key, size):
-                raise IntegrityError(f"a KV block of session {req_id!r} does not match its tokens")
+        with self._cv:
+            buffers = self.cache.take_buffers(blocks)
+        try:
+            for key, data, buffer in zip(keys, datas, buffers):
+                buffer[:] = data
+                if buffer != block_data(key, size):
+                    raise IntegrityError(
+                        f"a KV block of session {req_id!r} does not match its tokens"
+                    )
+            self._make_resident(req_id, tokens, keys, buffers, migrations)
+        except BaseException:
+            with self._cv:
+                for buffer in buffers:
+                    self.cache.release(buffer)
+            raise
+        self.counters["imported_bytes"] += blocks * size
+
+    def _make_resident(
+        self,
+        req_id: str,
+        tokens: list[int],
+        keys: list[bytes],
+        buffers: list[bytearray],
+        migrations: int,
+    ) -> None:
         with self._cv:
             record = self._sessions.get(req_id)
             if record is not None and (
                 record.busy or (record.keys and record.keys[0] in self.cache)
             ):
                 raise AlreadyExists(f"session {req_id!r} is resident here: evict it first")
-            for key, data in zip(keys, datas):
-                self.cache.insert(key, data, room_for=self._reserved_blocks)
-            self.cache.touch(keys[:blocks])
+            for key, buffer in zip(keys, buffers):
+                self.cache.adopt(key, buffer, room_for=self._reserved_blocks)
+            self.cache.touch(keys[: len(buffers)])
             if record is None:
                 record = self._sessions[req_id] = _Session([], [], 0.0)
             self._set_context(record, tokens, keys)
@@ -769,7 +827,6 @@ class SimEngine(InstanceAdaptor):
             record.migrations = migrations + 1
             self._sessions.move_to_end(req_id)
             self._trim_sessions()
-        self.counters["imported_bytes"] += blocks * size
 
     def evict(self, req_id: str) -> bool:
         """Forget the session and drop its blocks that no other session's context holds."""
@@ -813,10 +870,11 @@ def store_key(key: bytes) -> str:
     return f"sim/{key.hex()}"
 
 
-def _raw_bytes(page: Any) -> bytes:
+def _byte_view(page: Any) -> memoryview:
+    """The bytes of a page (a tensor or any buffer), without copying a contiguous one."""
     if hasattr(page, "numpy") and hasattr(page, "dtype"):
-        return page.contiguous().view(-1).numpy().tobytes()  # type: ignore[no-any-return]
-    return bytes(memoryview(page).cast("B"))
+        page = page.contiguous().view(-1).numpy()
+    return memoryview(page).cast("B")
 
 
 def _is_int(value: Any) -> bool:
