@@ -52,6 +52,7 @@ def test_everything_speaks_tls_and_tc_finds_the_files_in_the_state_dir(tls_clust
     status = json.loads(c.tc("status", "--json", check=True).stdout)
     assert status["healthy"] and len(status["components"]) == 3
     with c.connect() as rt:
+        assert rt.store_status().frame_port == 0  # no plaintext frame port on a TLS store
         art = rt.put({"w": torch.arange(1000.0)}, "secret", worker="worker-1")
         assert art.prefetch("worker-2").bytes_moved > 0  # worker to worker, under TLS
         rt.host_id = "elsewhere"  # a remote caller: bytes come over the (TLS) gRPC stream

@@ -15,7 +15,7 @@ from tensorcast.errors import InvalidArgument, NotFound, Unavailable
 from tensorcast.placement import order_sources, order_targets
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
-from tensorcast.rpc.client import FailoverStub, Stub, make_channel
+from tensorcast.rpc.client import Stub, make_channel
 from tensorcast.rpc.convert import (
     artifact_from_pb,
     instance_from_pb,
@@ -24,6 +24,7 @@ from tensorcast.rpc.convert import (
     tensor_to_pb,
     worker_from_pb,
 )
+from tensorcast.rpc.frames import StoreClient
 from tensorcast.sdk.cluster_file import ClusterRecord, read_token
 from tensorcast.sdk.local_client import LocalConnection
 from tensorcast.store.base import MAX_PAGE
@@ -98,9 +99,7 @@ class Runtime:
         self.timeout_s = timeout_s
         self.tls = tls
         self.host_id = config.host_id()
-        self.store = FailoverStub(
-            store_addr, pb_grpc.GlobalStoreStub, "global store", token, timeout_s, tls
-        )
+        self.store = StoreClient(store_addr, token, timeout_s, tls)
         self._worker_stubs: dict[str, tuple[Any, Stub, str]] = {}
         self._local: dict[str, LocalConnection] = {}
         self._lock = threading.Lock()

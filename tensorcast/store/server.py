@@ -11,6 +11,7 @@ from pathlib import Path
 from tensorcast.config import DEFAULT_BATCH_TIMEOUT_S, DEFAULT_UNREFERENCED_GRACE_S, TLSFiles
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
+from tensorcast.rpc.frames import FrameServer
 from tensorcast.rpc.server import bind, make_server
 from tensorcast.store.base import Coordination, MetadataStore
 from tensorcast.store.coordination import SqliteCoordination
@@ -106,10 +107,12 @@ def serve(
     store, coord = backend
     db_path = store.describe()
     server = make_server(token)
-    pb_grpc.add_GlobalStoreServicer_to_server(
-        GlobalStoreService(store, coord, db_path, heartbeat_ttl_s), server
-    )
+    service = GlobalStoreService(store, coord, db_path, heartbeat_ttl_s)
+    pb_grpc.add_GlobalStoreServicer_to_server(service, server)
     addr = bind(server, listen, tls)
+    # The frame port (decision 76) has no TLS: a TLS cluster's calls all stay on gRPC.
+    frames = None if tls else FrameServer(service, token, addr.rpartition(":")[0].strip("[]"))
+    service.frame_port = frames.port if frames else 0
     server.start()
     metrics = MetricsServer(
         metrics_listen,
@@ -132,5 +135,7 @@ def serve(
             log.exception("sweep failed")
     log.info("global store stopping")
     metrics.close()
+    if frames:
+        frames.close()
     server.stop(grace=0.5).wait(5)
     store.close()

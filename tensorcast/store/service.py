@@ -47,6 +47,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         self.db_path = db_path
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.started_at = time.time()
+        self.frame_port = 0  # set by the server once its frame port listens
 
     def Status(self, request, context):
         num_artifacts, num_contents = self.store.counts()
@@ -61,6 +62,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             backend_members=[
                 pb.BackendMember(addr=a, healthy=h, detail=d) for a, h, d in self.store.members()
             ],
+            frame_port=self.frame_port,
         )
 
     def RegisterWorker(self, request, context):

@@ -23,7 +23,7 @@ from tensorcast.errors import (
 )
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
-from tensorcast.rpc.client import FailoverStub, Stub, make_channel
+from tensorcast.rpc.client import Stub, make_channel
 from tensorcast.rpc.convert import (
     artifact_from_pb,
     instance_to_pb,
@@ -31,6 +31,7 @@ from tensorcast.rpc.convert import (
     tensor_to_pb,
     tensors_from_pb,
 )
+from tensorcast.rpc.frames import StoreClient
 from tensorcast.store.base import member
 from tensorcast.types import ArtifactInfo, Committed, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
@@ -90,9 +91,7 @@ class WorkerNode:
         # One address, or several members of a replicated store ("h1:7400,h2:7400").
         self.tls = tls
         self.rpc_timeout_s = rpc_timeout_s
-        self.store = FailoverStub(
-            store_addr, pb_grpc.GlobalStoreStub, "global store", token, rpc_timeout_s, tls
-        )
+        self.store = StoreClient(store_addr, token, rpc_timeout_s, tls)
         # Same-host callers' store requests (puts, lookups, deletes), coalesced.
         self.batcher = StoreBatcher(self.store, rpc_timeout_s)
         self._stop = threading.Event()
