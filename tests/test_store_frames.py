@@ -120,3 +120,21 @@ def test_an_error_inside_the_store_comes_back_typed_not_as_a_dead_connection(rt)
         assert client.call("Status", pb.Empty(), 5.0).frame_port > 0  # same connection
     finally:
         client.close()
+
+
+def test_closing_the_frame_server_ends_its_threads_and_connections():
+    """A close from another thread wakes a blocked accept()/recv() only after a shutdown: without
+    it every store stop waited out the accept thread's join (5 s)."""
+
+    class Handler:
+        def Status(self, request, context):
+            return pb.StoreStatus(frame_port=1)
+
+    server = frames.FrameServer(Handler(), "token", "127.0.0.1")
+    client = FrameClient("127.0.0.1", server.port, "token")
+    assert client.call("Status", pb.Empty(), 5.0).frame_port == 1  # a pooled, idle connection
+    server.close()
+    assert not server._thread.is_alive()  # the join ended because the thread did
+    with pytest.raises(FrameTransportError):
+        client.call("Status", pb.Empty(), 5.0)  # the idle connection was ended, not left open
+    client.close()
