@@ -3,6 +3,7 @@ store calls as frames on a kept-open socket, with gRPC as the fallback. Real sto
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -67,11 +68,13 @@ def test_bad_frames_get_an_error_or_a_closed_connection_and_the_store_keeps_serv
         name = b"DropEverything"
         sock.sendall(frames.REQUEST.pack(0, len(name)) + name)
         status, body = reply(sock)
-        assert status == 1 and b"no unary method" in body
+        assert status == 1 and json.loads(body)["kind"] == "InvalidArgument"
+        assert "no unary method" in json.loads(body)["message"]
         name, junk = b"GetArtifact", b"\xff\xff\xff"
         sock.sendall(frames.REQUEST.pack(len(junk), len(name)) + name + junk)
         status, body = reply(sock)
-        assert status == 1 and b"malformed" in body
+        assert status == 1 and json.loads(body)["kind"] == "InvalidArgument"
+        assert "malformed" in json.loads(body)["message"]
         request = pb.ArtifactRequest(art_id="frames/b").SerializeToString()
         sock.sendall(frames.REQUEST.pack(len(request), len(name)) + name + request)
         status, body = reply(sock)

@@ -32,6 +32,7 @@ from typing import Any
 from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, send_token, token_accepted
 from tensorcast.errors import (
     DeadlineExceeded,
+    InvalidArgument,
     TensorcastError,
     Unauthenticated,
     error_named,
@@ -174,11 +175,11 @@ class FrameServer:
         try:
             classes = STORE_METHODS.get(name)
             if classes is None:
-                raise TensorcastError(f"no unary method {name!r} on the frame port")
+                raise InvalidArgument(f"no unary method {name!r} on the frame port")
             try:
                 request = classes[0].FromString(payload)
             except Exception as e:  # a malformed message: the caller's error
-                raise TensorcastError(f"a malformed {name} request: {e}") from None
+                raise InvalidArgument(f"a malformed {name} request: {e}") from None
             reply = getattr(self.handler, name)(request, None).SerializeToString()
             return REPLY.pack(len(reply), 0) + reply
         except Exception as e:

@@ -556,6 +556,52 @@ class SqliteStore:
             )
         return True
 
+    def _existing(self, table: str, key: str, ids: list[str]) -> dict[str, Any]:
+        """Rows of `table` among `ids` (inside a write): key -> content_id (artifacts) or key."""
+        value = "content_id" if table == "artifacts" else key
+        found: dict[str, Any] = {}
+        for start in range(0, len(ids), IN_CHUNK):
+            chunk = list(dict.fromkeys(ids[start : start + IN_CHUNK]))
+            marks = ",".join("?" * len(chunk))
+            found.update(
+                self.db.conn.execute(
+                    f"SELECT {key}, {value} FROM {table} WHERE {key} IN ({marks})", chunk
+                ).fetchall()
+            )
+        return found
+
+    def _create_many(self, artifacts: list[NewArtifact], now: float) -> list[bool]:
+        """`_create` for a batch (inside a write) with one INSERT statement: whether each
+        existed with its content; AlreadyExists / NotFound name the first bad member."""
+        names = self._existing("artifacts", "art_id", [a.art_id for a in artifacts])
+        existed, rows = [], []
+        for i, a in enumerate(artifacts):
+            if a.art_id in names:
+                if names[a.art_id] != a.content_id:
+                    raise AlreadyExists(
+                        f"{member(i, a.art_id, len(artifacts))} already exists with different "
+                        "content (artifacts are immutable): choose a new id, e.g. a version "
+                        "suffix @v2"
+                    )
+                existed.append(True)
+                continue
+            names[a.art_id] = a.content_id
+            expires_at = now + a.ttl_s if a.owner == OWNER_LEASE else None
+            rows.append((a.art_id, a.content_id, a.owner, now, expires_at, a.parent))
+            existed.append(False)
+        try:
+            self.db.conn.executemany("INSERT INTO artifacts VALUES (?, ?, ?, ?, ?, ?)", rows)
+        except sqlite3.IntegrityError:  # the foreign key: a content nobody holds
+            held = self._existing("contents", "content_id", [r[1] for r in rows])
+            for i, a in enumerate(artifacts):
+                if a.content_id not in held:
+                    raise NotFound(
+                        f"{member(i, a.art_id, len(artifacts))}: content {a.content_id} is not "
+                        "held by any worker"
+                    ) from None
+            raise
+        return existed
+
     def put_artifacts(
         self,
         worker_id: str,
@@ -582,16 +628,27 @@ class SqliteStore:
                 self._check_worker(worker_id)
             self._expire(now)
             live = now - self.heartbeat_ttl_s
-            fresh: dict[str, NewReplica] = {}  # contents new to the store, held here only
+            # Contents new to the store, held here only: recorded with one statement each
+            # for the whole batch (a 700-tensor publish is 700 of them).
+            known = self._existing("contents", "content_id", [r.content_id for r in replicas])
+            fresh = {r.content_id: r for r in replicas if r.content_id not in known}
+            conn = self.db.conn
+            conn.executemany(
+                "INSERT INTO contents VALUES (?, ?, ?, ?)",
+                [
+                    (c, r.size_bytes, json.dumps([t.to_json() for t in r.tensors]), now)
+                    for c, r in fresh.items()
+                ],
+            )
+            conn.executemany(
+                "INSERT INTO replicas (content_id, worker_id, tier, created_at) "
+                "VALUES (?, ?, 'cpu', ?)",
+                [(c, worker_id, now) for c in fresh],
+            )
             for r in replicas:
-                if self._record_content(r.content_id, r.size_bytes, r.tensors, now):
-                    self.db.conn.execute(  # new here: nobody else can hold it yet
-                        "INSERT INTO replicas (content_id, worker_id, tier, created_at) "
-                        "VALUES (?, ?, 'cpu', ?)",
-                        [r.content_id, worker_id, now],
-                    )
-                    fresh[r.content_id] = r
+                if r.content_id in fresh:
                     continue
+                self._record_content(r.content_id, r.size_bytes, r.tensors, now)
                 mine = self.db.execute(
                     "SELECT 1 FROM replicas WHERE content_id = ? AND worker_id = ?",
                     [r.content_id, worker_id],
@@ -610,18 +667,7 @@ class SqliteStore:
                     "VALUES (?, ?, 'cpu', ?)",
                     [r.content_id, worker_id, now],
                 )
-            existed = [
-                self._create(
-                    a.art_id,
-                    a.content_id,
-                    a.owner,
-                    a.ttl_s,
-                    a.parent,
-                    now,
-                    member(i, a.art_id, len(artifacts)),
-                )
-                for i, a in enumerate(artifacts)
-            ]
+            existed = self._create_many(artifacts, now)
             # Created here naming a content new here: everything is known, nothing to read.
             infos = {
                 a.art_id: ArtifactInfo(
