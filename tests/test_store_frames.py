@@ -13,6 +13,7 @@ from tensorcast.errors import NotFound, TensorcastError, Unauthenticated
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc import frames
 from tensorcast.rpc.frames import FrameClient, FrameTransportError
+from tensorcast.transport.unix import recv_exact
 
 
 def _frame_client(rt, token=None) -> FrameClient:
@@ -55,12 +56,12 @@ def test_bad_frames_get_an_error_or_a_closed_connection_and_the_store_keeps_serv
     def hello() -> socket.socket:
         sock = socket.create_connection((host, port), timeout=5)
         sock.sendall(frames.HELLO.pack(frames.MAGIC, frames.VERSION, len(token)) + token)
-        assert frames._recv_exact(sock, frames.HELLO_REPLY.size) == frames.HELLO_REPLY.pack(0, 0)
+        assert recv_exact(sock, frames.HELLO_REPLY.size) == frames.HELLO_REPLY.pack(0, 0)
         return sock
 
     def reply(sock) -> tuple[int, bytes]:
-        size, status = frames.REPLY.unpack(frames._recv_exact(sock, frames.REPLY.size))
-        return status, frames._recv_exact(sock, size)
+        size, status = frames.REPLY.unpack(recv_exact(sock, frames.REPLY.size))
+        return status, recv_exact(sock, size)
 
     sock = hello()
     try:
@@ -90,7 +91,7 @@ def test_bad_frames_get_an_error_or_a_closed_connection_and_the_store_keeps_serv
     bad = socket.create_connection((host, port), timeout=5)  # not a frame client at all
     try:
         bad.sendall(b"GET / HTTP/1.1\r\n\r\n")
-        status, _ = frames.HELLO_REPLY.unpack(frames._recv_exact(bad, frames.HELLO_REPLY.size))
+        status, _ = frames.HELLO_REPLY.unpack(recv_exact(bad, frames.HELLO_REPLY.size))
         assert status == 1
     finally:
         bad.close()

@@ -42,6 +42,7 @@ from tensorcast.metrics import RPC_LATENCY
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import FailoverStub
+from tensorcast.transport.unix import recv_exact
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +75,6 @@ def _unary_methods(service: str) -> dict[str, tuple[Any, Any]]:
 
 
 STORE_METHODS = _unary_methods("GlobalStore")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the connection closed")
-        got += k
-    return bytes(buf)
 
 
 class FrameServer:
@@ -146,24 +135,24 @@ class FrameServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(BODY_TIMEOUT_S)
-            magic, version, n = HELLO.unpack(_recv_exact(conn, HELLO.size))
+            magic, version, n = HELLO.unpack(recv_exact(conn, HELLO.size))
             if magic != MAGIC or version != VERSION:
                 return self._refuse(conn, f"not a version {VERSION} frame client")
-            token = _recv_exact(conn, n).decode(errors="replace")
+            token = recv_exact(conn, n).decode(errors="replace")
             if not token_accepted(self.token, token):
                 return self._refuse(conn, "missing or wrong cluster token")
             conn.sendall(HELLO_REPLY.pack(0, 0))
             while not self._closed:
                 conn.settimeout(None)  # an idle pooled connection may wait for long
-                header = _recv_exact(conn, REQUEST.size)
+                header = recv_exact(conn, REQUEST.size)
                 conn.settimeout(BODY_TIMEOUT_S)
                 size, name_len = REQUEST.unpack(header)
                 if size > MAX_MESSAGE_BYTES or name_len > MAX_NAME:
                     return  # a stream that cannot be trusted further: close it
-                name = _recv_exact(conn, name_len).decode(errors="replace")
-                payload = _recv_exact(conn, size)
+                name = recv_exact(conn, name_len).decode(errors="replace")
+                payload = recv_exact(conn, size)
                 conn.sendall(self._dispatch(name, payload))
-        except (OSError, EOFError, struct.error):
+        except (OSError, struct.error):
             pass
         finally:
             with self._lock:
@@ -211,16 +200,16 @@ class FrameClient:
             name = method.encode()
             payload = request.SerializeToString()
             sock.sendall(REQUEST.pack(len(payload), len(name)) + name + payload)
-            size, status = REPLY.unpack(_recv_exact(sock, REPLY.size))
+            size, status = REPLY.unpack(recv_exact(sock, REPLY.size))
             if size > MAX_MESSAGE_BYTES:
                 raise FrameTransportError(f"a {size}-byte reply is over the limit")
-            body = _recv_exact(sock, size)
+            body = recv_exact(sock, size)
         except TimeoutError:
             sock.close()
             raise DeadlineExceeded(
                 f"the global store did not answer {method} within {timeout_s:.1f}s"
             ) from None
-        except (OSError, EOFError, FrameTransportError) as e:
+        except (OSError, FrameTransportError) as e:
             sock.close()
             raise FrameTransportError(f"{method} on {self.addr}: {e}") from None
         self._give_back(sock)
@@ -246,9 +235,9 @@ class FrameClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(HELLO.pack(MAGIC, VERSION, len(self.token)) + self.token)
-            status, n = HELLO_REPLY.unpack(_recv_exact(sock, HELLO_REPLY.size))
-            message = _recv_exact(sock, n).decode(errors="replace") if n else ""
-        except (OSError, EOFError) as e:
+            status, n = HELLO_REPLY.unpack(recv_exact(sock, HELLO_REPLY.size))
+            message = recv_exact(sock, n).decode(errors="replace") if n else ""
+        except OSError as e:
             sock.close()
             raise FrameTransportError(f"no frame hello from {self.addr}: {e}") from None
         if status != 0:

@@ -518,61 +518,29 @@ class SqliteStore:
 
         def create() -> tuple[ArtifactInfo, bool]:
             self._expire(now)
-            existed = self._create(art_id, content_id, owner, ttl_s, parent, now, "")
+            (existed,) = self._create_many(
+                [NewArtifact(art_id, content_id, owner, ttl_s, parent)], now
+            )
             return self._artifact(self.db.conn, art_id, now), existed
 
         return self.write(create)
 
-    def _create(
-        self,
-        art_id: str,
-        content_id: str,
-        owner: str,
-        ttl_s: float,
-        parent: str,
-        now: float,
-        who: str,
-    ) -> bool:
-        """Insert one artifact (inside a write); returns whether it existed with this content.
-        `who` names the batch member in errors."""
-        expires_at = now + ttl_s if owner == OWNER_LEASE else None
-        try:
-            if self.db.conn.execute(
-                "INSERT INTO artifacts VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (art_id) DO NOTHING",
-                [art_id, content_id, owner, now, expires_at, parent],
-            ).rowcount:
-                return False
-        except sqlite3.IntegrityError:  # the foreign key: no such content
-            raise NotFound(
-                f"{who or f'artifact {art_id!r}'}: content {content_id} is not held by any worker"
-            ) from None
-        existing = self.db.conn.execute(
-            "SELECT content_id FROM artifacts WHERE art_id = ?", [art_id]
-        ).fetchone()
-        if existing[0] != content_id:
-            raise AlreadyExists(
-                f"{who or f'artifact {art_id!r}'} already exists with different content "
-                "(artifacts are immutable): choose a new id, e.g. a version suffix @v2"
-            )
-        return True
-
-    def _existing(self, table: str, key: str, ids: list[str]) -> dict[str, Any]:
-        """Rows of `table` among `ids` (inside a write): key -> content_id (artifacts) or key."""
-        value = "content_id" if table == "artifacts" else key
-        found: dict[str, Any] = {}
+    def _existing(self, table: str, key: str, ids: list[str]) -> dict[str, str]:
+        """The rows of `table` among `ids` (inside a write): key -> their content_id."""
+        found: dict[str, str] = {}
         for start in range(0, len(ids), IN_CHUNK):
             chunk = list(dict.fromkeys(ids[start : start + IN_CHUNK]))
             marks = ",".join("?" * len(chunk))
             found.update(
                 self.db.conn.execute(
-                    f"SELECT {key}, {value} FROM {table} WHERE {key} IN ({marks})", chunk
+                    f"SELECT {key}, content_id FROM {table} WHERE {key} IN ({marks})", chunk
                 ).fetchall()
             )
         return found
 
     def _create_many(self, artifacts: list[NewArtifact], now: float) -> list[bool]:
-        """`_create` for a batch (inside a write) with one INSERT statement: whether each
-        existed with its content; AlreadyExists / NotFound name the first bad member."""
+        """Insert artifacts (inside a write) with one statement: whether each existed with its
+        content; AlreadyExists / NotFound name the first bad member."""
         names = self._existing("artifacts", "art_id", [a.art_id for a in artifacts])
         existed, rows = [], []
         for i, a in enumerate(artifacts):

@@ -55,7 +55,8 @@ def send_message(
         sock.sendall(blob)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    """Exactly `size` bytes; ConnectionResetError if the peer closes first."""
     parts = []
     while size:
         part = sock.recv(min(size, 1 << 20))
@@ -78,13 +79,13 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     if not data:
         raise ConnectionResetError("peer closed the connection")
     if len(data) < _LEN.size:
-        data += _recv_exact(sock, _LEN.size - len(data))
+        data += recv_exact(sock, _LEN.size - len(data))
     (length,) = _LEN.unpack_from(data)
     if length > MAX_MESSAGE_BYTES:
         raise ConnectionResetError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
     end = _LEN.size + length
     if len(data) < end:
-        data += _recv_exact(sock, end - len(data))
+        data += recv_exact(sock, end - len(data))
     message = json.loads(data[_LEN.size : end])
     if not isinstance(message, dict):
         raise ConnectionResetError("malformed message")
