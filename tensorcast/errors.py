@@ -97,10 +97,15 @@ _BY_GRPC_CODE = {cls.grpc_code: cls for cls in ERROR_TABLE}
 _BY_NAME = {cls.__name__: cls for cls in ERROR_TABLE}
 
 
+def public_class(error: TensorcastError) -> type[TensorcastError]:
+    """The class to send an error as: its own, or the nearest public class it derives from (a
+    private subclass such as the RPC client's Unreachable travels as Unavailable)."""
+    return next(c for c in type(error).__mro__ if _BY_NAME.get(c.__name__) is c)
+
+
 def public_name(error: TensorcastError) -> str:
-    """The name to send an error by: its class's, or that of the nearest public class it
-    derives from (a private subclass such as the RPC client's Unreachable)."""
-    return next(c.__name__ for c in type(error).__mro__ if c.__name__ in _BY_NAME)
+    """The name to send an error by (see `public_class`); `error_named` rebuilds it."""
+    return public_class(error).__name__
 
 
 def error_named(name: str, message: str) -> TensorcastError:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import start_cluster, wait_until
 from kv_engine import PROMPT, generate, save_llama
 from test_json_shapes import _check as check_json_shape
 
@@ -184,7 +184,7 @@ def test_malformed_plans_are_rejected_before_anything_runs(cluster, instances):
         p.on_worker("no-worker").pin("kv-llama@v1")
         with pytest.raises(tc.InvalidArgument, match="no worker"):
             p.run(rt)
-        gateway = rt.worker_stub(rt.gateway())
+        gateway = rt.worker_stub(rt.gateways()[0])
         bad = {
             "cycle": [{"after": [1]}, {"after": [0]}],
             "later input": [{"args": {"req_id": {"$step": 1}}}, {}],
@@ -314,3 +314,35 @@ def test_manifest_and_transform_into_run_inside_the_instance(cluster, instances,
     assert torch.equal(params[name], before) and params[name].data_ptr() == ptr  # in place
     steps = result["steps"]
     assert steps[listed.step_id]["result"]["pages"] == steps[published.step_id]["result"]["pages"]
+
+
+def test_a_killed_gateway_still_listed_alive_is_skipped_for_the_next(tmp_path, monkeypatch):
+    # A long heartbeat TTL keeps the killed gateway listed alive for the whole test, so the
+    # plan below meets it first every time (names sort "a-gateway" before "worker-1").
+    monkeypatch.setenv("TC_HEARTBEAT_TTL_S", "120")
+    for cluster in start_cluster(tmp_path / "state", workers=1, mem="64MiB"):
+        with cluster.connect() as rt:
+            rt.put({"w": torch.arange(16.0)}, "gw-x", worker="worker-1")
+            with cluster.extra_worker("a-gateway", "--roles", "basic,gateway") as gateway:
+                wait_until(lambda: rt.gateways()[0].name == "a-gateway", 30)
+                gateway.kill()
+                gateway.wait(30)
+                assert [w.name for w in rt.gateways()] == ["a-gateway", "worker-1"]
+                plan = tc.Plan(tc.CallContext(deadline_ms=20_000, idempotency_key="gw-failover"))
+                plan.on_worker("worker-1").pin("gw-x")
+                result = plan.run(rt)
+                assert result["status"] == "ok"
+                assert result["steps"][0]["status"] == "ok"
+                # Named, the dead gateway is the only one tried: a clear error, nothing run.
+                named = tc.Plan(tc.CallContext(deadline_ms=20_000))
+                named.on_worker("worker-1").pin("gw-x")
+                with pytest.raises(tc.Unavailable, match="a-gateway"):
+                    named.run(rt, gateway="a-gateway")
+                # A step on the dead worker fails as Unavailable (the public class of the RPC
+                # client's Unreachable), so callers can tell it from a bug.
+                doomed = tc.Plan(tc.CallContext(deadline_ms=3_000))
+                doomed.on_worker("a-gateway").pin("gw-x")
+                with pytest.raises(tc.Unavailable) as info:
+                    doomed.run(rt)
+                step = info.value.result["steps"][0]
+                assert step["status"] == "failed" and step["error"]["kind"] == "Unavailable"

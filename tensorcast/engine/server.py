@@ -27,6 +27,7 @@ from tensorcast.errors import (
     TensorcastError,
     Unavailable,
     error_named,
+    public_class,
 )
 
 MAX_BODY_BYTES = 1 << 20
@@ -70,8 +71,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             status, reply = 200, self._route(method)
         except TensorcastError as exc:
-            status = _STATUS.get(type(exc), 500)
-            reply = {"error": type(exc).__name__, "message": str(exc)}
+            status = _STATUS.get(public_class(exc), 500)
+            reply = {"error": public_class(exc).__name__, "message": str(exc)}
         except Exception as exc:  # an engine bug: report it and keep serving
             status = 500
             reply = {"error": "TensorcastError", "message": f"{type(exc).__name__}: {exc}"}

@@ -33,7 +33,13 @@ from typing import Any
 
 from tensorcast.engine.server import _STATUS, MAX_BODY_BYTES
 from tensorcast.engine.sim import Job, SimEngine, detokenize, tokenize
-from tensorcast.errors import InvalidArgument, NotFound, ResourceExhausted, TensorcastError
+from tensorcast.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TensorcastError,
+    public_class,
+)
 
 REQUEST_TIMEOUT_S = 900.0  # longest a handler waits for the engine
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -72,8 +78,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             status = 200
         except TensorcastError as exc:
-            status = _STATUS_MORE.get(type(exc), 500)
-            reply = {"error": type(exc).__name__, "message": str(exc)}
+            status = _STATUS_MORE.get(public_class(exc), 500)
+            reply = {"error": public_class(exc).__name__, "message": str(exc)}
         except Exception as exc:  # an engine bug: report it and keep serving
             status = 500
             reply = {"error": "TensorcastError", "message": f"{type(exc).__name__}: {exc}"}

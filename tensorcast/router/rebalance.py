@@ -164,7 +164,7 @@ class Rebalancer:
             record["migration"] = dict(
                 summarize(partial) if partial else {},
                 status="failed",
-                error={"kind": type(e).__name__, "message": str(e)},
+                error={"kind": errors.public_name(e), "message": str(e)},
             )
         return record
 

@@ -443,8 +443,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             status = 200
         except errors.TensorcastError as exc:
-            status = _STATUS.get(type(exc), 500)
-            reply = {"error": type(exc).__name__, "message": str(exc)}
+            status = _STATUS.get(errors.public_class(exc), 500)
+            reply = {"error": errors.public_name(exc), "message": str(exc)}
         except Exception as exc:
             status = 500
             reply = {"error": "TensorcastError", "message": f"{type(exc).__name__}: {exc}"}

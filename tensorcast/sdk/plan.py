@@ -15,6 +15,7 @@ result and does nothing twice.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from tensorcast import errors
 from tensorcast import plan as planlib
 from tensorcast.proto import tensorcast_pb2 as pb
+from tensorcast.rpc.client import Unreachable
 
 if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Runtime
@@ -160,18 +162,29 @@ class Plan:
     def run(self, rt: Runtime, concurrency: int = 1, gateway: str | None = None) -> dict:
         """Submit to a gateway worker (same host first) and wait for the result.
 
+        A gateway that cannot be reached (killed, its heartbeat not yet expired) is skipped for
+        the next live one, within the plan's deadline: a plan's steps are idempotent, and a
+        resubmission carries the same idempotency key. A named `gateway` is the only one tried.
+
         Returns the result: status, per-step trace (worker, duration, bytes, retries, result).
         A failed plan raises its failed step's error class with `.result` set: the steps that
         finished keep their results there (plans are not transactions).
         """
         body = self.to_json(concurrency)
         planlib.validate(body)  # malformed plans fail here, before any network call
-        target = rt.gateway(gateway)
-        reply = rt.worker_stub(target).call(
-            "RunPlan",
-            pb.PlanRequest(plan_json=json.dumps(body)),
-            timeout_s=self.ctx.deadline_ms / 1000 + 2.0,
-        )
+        request = pb.PlanRequest(plan_json=json.dumps(body))
+        give_up_at = time.monotonic() + self.ctx.deadline_ms / 1000 + 2.0
+        candidates = rt.gateways(gateway)
+        for i, target in enumerate(candidates):
+            left_s = give_up_at - time.monotonic()
+            if left_s <= 0:
+                raise errors.DeadlineExceeded(f"plan {self.ctx.id}: no gateway answered in time")
+            try:
+                reply = rt.worker_stub(target).call("RunPlan", request, timeout_s=left_s)
+                break
+            except Unreachable:
+                if i == len(candidates) - 1:
+                    raise
         result = json.loads(reply.result_json)
         if result.get("status") != "ok":
             err = result.get("error") or {}

@@ -183,17 +183,18 @@ class Runtime:
                 self._pages = Pages(self)
             return self._pages
 
-    def gateway(self, name_or_id: str | None = None) -> WorkerInfo:
-        """A live gateway worker to submit plans to: the named one, else same host first."""
+    def gateways(self, name_or_id: str | None = None) -> list[WorkerInfo]:
+        """Gateway workers to submit plans to, in the order to try them: the named one alone,
+        else every live gateway, same host first."""
         if name_or_id is not None:
             worker = self.resolve_worker(name_or_id)
             if "gateway" not in worker.roles:
                 raise InvalidArgument(f"worker {worker.name} does not have the gateway role")
-            return worker
+            return [worker]
         gateways = [w for w in self.workers() if w.alive and "gateway" in w.roles]
         if not gateways:
             raise Unavailable("no live gateway worker: start one with --roles ...,gateway")
-        return sorted(gateways, key=lambda w: (w.host_id != self.host_id, w.name))[0]
+        return sorted(gateways, key=lambda w: (w.host_id != self.host_id, w.name))
 
     def instances(self) -> list[InstanceInfo]:
         reply = self.store.call("ListInstances", pb.Empty())

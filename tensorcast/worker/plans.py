@@ -302,7 +302,9 @@ class PlanExecutor:
                     retries += 1
                     time.sleep(pause)
                     continue
-                trace.update(status="failed", error={"kind": type(e).__name__, "message": str(e)})
+                trace.update(
+                    status="failed", error={"kind": errors.public_name(e), "message": str(e)}
+                )
                 break
         trace.update(duration_s=round(time.monotonic() - started, 4), retries=retries)
         return trace

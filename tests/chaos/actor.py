@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import tensorcast as tc
 
 # Values repeat across actors and iterations so that contents are shared and deduplicated.
 DISTINCT_VALUES = 5
+ERROR_PAUSE_S = 0.1
 TOLERATED = (tc.Unavailable, tc.DeadlineExceeded, tc.FencingError, tc.ResourceExhausted)
 
 
@@ -174,6 +176,9 @@ def main() -> None:
                 loops[kind](rt, f"{prefix}/{attempt}")  # a fresh namespace after each error
             except TOLERATED as e:  # a worker died under us: note it, go on
                 journal.write(error=type(e).__name__, message=str(e)[:300])
+                # A dead target fails each call at once: pace the retries so the actor lives
+                # (≥ 100 s) until its round kills it rather than spending its attempts in a blink.
+                time.sleep(ERROR_PAUSE_S)
 
 
 if __name__ == "__main__":
