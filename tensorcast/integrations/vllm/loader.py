@@ -79,7 +79,6 @@ class TensorCastModelLoader(BaseModelLoader):
         rt = connection.runtime(**self.connection)
         model_mod.artifact_files(rt, artifact)  # NotFound / not a model directory, clearly
         tensors = rt.artifact(artifact).tensor_dict()
-        _prefault(tensors.values())
         weights = ((n, t) for n, t in tensors.items() if not n.startswith(FILE_PREFIX))
         try:
             loaded: Any = cast(Any, model).load_weights(weights)
@@ -98,25 +97,3 @@ class TensorCastModelLoader(BaseModelLoader):
         del tensors  # the mapping of the worker's pool goes with the last reference
         self.load_seconds = time.perf_counter() - started
         log.info("Loading weights took %.2f seconds (tensorcast %s)", self.load_seconds, artifact)
-
-
-MADV_POPULATE_READ = 22  # Linux 5.14+
-
-
-def _prefault(tensors: Any) -> None:
-    """Map the page tables behind the tensors (the worker's shared memory, mapped privately)
-    with one `madvise(MADV_POPULATE_READ)` per tensor, instead of one page fault per 4 KiB
-    while vLLM copies them. Older kernels refuse the advice: the copy then faults as usual."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    for t in tensors:
-        begin = t.data_ptr()
-        end = begin + t.numel() * t.element_size()
-        start = begin - begin % page
-        if end > start and libc.madvise(
-            ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_READ
-        ):
-            return
