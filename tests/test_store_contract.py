@@ -163,6 +163,7 @@ def test_heartbeats_reconcile_the_inventory(records):
     later = 100.0 + RECONCILE_GRACE_S + 1
     store.heartbeat("w1", 0, ["c1"], later, disk_content_ids=frozenset({"c2"}))
     assert [(r.tier) for r in store.find_content("c2", later).replicas] == ["disk"]
+    assert not store.find_content("c1", later).replicas[0].pinned  # unpinned as reported
     assert [w.num_replicas for w in store.list_workers(later)] == [2]
 
 
