@@ -110,6 +110,33 @@ def test_put_many_creates_a_batch_in_one_request(cluster):
         assert rt.info("many/002").art_id == "many/002"  # nothing deleted
 
 
+def test_a_brief_batch_is_named_whole_and_answered_without_artifacts(cluster):
+    from tensorcast.proto import tensorcast_pb2 as pb
+    from tensorcast.sdk import batch
+    from tensorcast.types import OWNER_SYSTEM
+
+    items = [(f"brief/{i}", {"w": torch.full((16,), float(i))}) for i in range(30)]
+    with cluster.connect() as rt:
+        specs = batch.tensor_specs(items, OWNER_SYSTEM, 0.0)
+        assert batch.put_batch(rt, specs, None, brief=True) == []
+        for art_id, tensors in items:
+            assert torch.equal(rt.artifact(art_id).tensor_dict()["w"], tensors["w"])
+        # The store's answer, by PutArtifacts and by Batch (what workers send): `existed` for
+        # each member, and the artifacts only when the request is not brief.
+        named = pb.NewArtifact(
+            art_id="brief/0", content_id=rt.info("brief/0").content_id, owner=OWNER_SYSTEM
+        )
+        for brief in (True, False):
+            request = pb.PutArtifactsRequest(artifacts=[named], brief=brief)
+            direct = rt.store.call("PutArtifacts", request)
+            (result,) = rt.store.call(
+                "Batch", pb.BatchRequest(ops=[pb.StoreOp(put=request)])
+            ).results
+            for reply in (direct, result.put):
+                assert list(reply.existed) == [True]
+                assert [a.art_id for a in reply.artifacts] == ([] if brief else ["brief/0"])
+
+
 @pytest.mark.parametrize(
     ("bad_id", "error", "match"),
     [

@@ -421,14 +421,16 @@ class NewArtifact(_message.Message):
     def __init__(self, art_id: _Optional[str] = ..., content_id: _Optional[str] = ..., owner: _Optional[str] = ..., ttl_s: _Optional[float] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class PutArtifactsRequest(_message.Message):
-    __slots__ = ("worker_id", "replicas", "artifacts")
+    __slots__ = ("worker_id", "replicas", "artifacts", "brief")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    BRIEF_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     replicas: _containers.RepeatedCompositeFieldContainer[NewReplica]
     artifacts: _containers.RepeatedCompositeFieldContainer[NewArtifact]
-    def __init__(self, worker_id: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[NewReplica, _Mapping]]] = ..., artifacts: _Optional[_Iterable[_Union[NewArtifact, _Mapping]]] = ...) -> None: ...
+    brief: bool
+    def __init__(self, worker_id: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[NewReplica, _Mapping]]] = ..., artifacts: _Optional[_Iterable[_Union[NewArtifact, _Mapping]]] = ..., brief: _Optional[bool] = ...) -> None: ...
 
 class PutArtifactsReply(_message.Message):
     __slots__ = ("artifacts", "existed", "redundant_content_ids")

@@ -91,8 +91,12 @@ def put_batch(
     specs: list[Spec],
     worker: str | None,
     progress: Progress | None = None,
+    brief: bool = False,
 ) -> list[ArtifactInfo]:
-    """Create every artifact of `specs` or none (see the module's docstring)."""
+    """Create every artifact of `specs` or none (see the module's docstring). `brief`: the
+    caller needs no ArtifactInfo back (returns []), so neither the store nor the worker build
+    them (a 700-tensor publish's answer is most of its metadata work otherwise)."""
+    assert not (brief and any(s.on_written for s in specs)), "on_written needs the infos"
     if not specs:
         return []
     use_held = True
@@ -100,7 +104,8 @@ def put_batch(
         targets = runtime.cached_write_targets(worker)
         held = _held(runtime, specs) if use_held else set()
         try:
-            return _put_once(runtime, specs, targets, held, progress)
+            infos = _put_once(runtime, specs, targets, held, progress, brief)
+            return [] if brief else infos
         except NotFound:
             # A content the cluster held was freed (another caller deleted its last name)
             # before this batch named it: write every content this time.
@@ -129,12 +134,13 @@ def _put_once(
     targets: list[WorkerInfo],
     held: set[str],
     progress: Progress | None,
+    brief: bool,
 ) -> list[ArtifactInfo]:
     last_error: TensorcastError | None = None
     for target in targets:
         try:
             if runtime.is_local(target):
-                return _put_local(runtime, target, specs, held, progress)
+                return _put_local(runtime, target, specs, held, progress, brief)
             return _put_remote(runtime, target, specs, held, progress)
         except ResourceExhausted as e:
             last_error = e  # this worker is full: try the next one
@@ -148,6 +154,7 @@ def _put_local(
     specs: list[Spec],
     held: set[str],
     progress: Progress | None,
+    brief: bool,
 ) -> list[ArtifactInfo]:
     conn = runtime.local_connection(worker)
     items: list[dict[str, Any]] = []
@@ -196,7 +203,10 @@ def _put_local(
                 except TensorcastError:
                     pass  # the connection is gone: the worker aborted them already
             raise
-    reply = conn.request({"op": "put", "items": items}, blob=blob)
+    message: dict[str, Any] = {"op": "put", "items": items}
+    if brief:
+        message["brief"] = True
+    reply = conn.request(message, blob=blob)
     infos = [ArtifactInfo.from_wire(a) for a in reply["artifacts"]]
     _tell_written(specs, infos)
     return infos

@@ -128,7 +128,7 @@ class WeightPublisher:
         specs += batch.tensor_specs(
             [(base, {FILE_PREFIX + MANIFEST_FILE: blob})], OWNER_SYSTEM, 0.0
         )
-        batch.put_batch(self.rt, specs, None)
+        batch.put_batch(self.rt, specs, None, brief=True)
         self.collect()
         return VersionInfo(self.model, version, published_at, tensors)
 

@@ -189,7 +189,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         result = self.store.put_artifacts(
             op.worker_id, list(op.replicas), list(op.artifacts), time.time()
         )
-        return _put_reply(result, op)
+        return _put_reply(result, op, request.brief)
 
     def DeleteArtifacts(self, request, context):
         deleted = self.store.delete_artifacts(
@@ -199,10 +199,12 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
 
     def Batch(self, request, context):
         ops: list[StoreOp] = []
+        briefs: dict[int, bool] = {}
         for m in request.ops:
             kind = m.WhichOneof("op")
             if kind == "put":
                 ops.append(_put_op(m.put))
+                briefs[len(ops) - 1] = m.put.brief
             elif kind == "get":
                 ops.append(GetOp(m.get.art_id))
             elif kind == "delete":
@@ -210,12 +212,12 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             else:
                 raise InvalidArgument("a batch operation names no operation")
         results = []
-        for op, result in zip(ops, self.store.run_batch(ops, time.time())):
+        for i, (op, result) in enumerate(zip(ops, self.store.run_batch(ops, time.time()))):
             if isinstance(result, TensorcastError):
                 results.append(pb.StoreOpResult(error_kind=public_name(result), error=str(result)))
             elif isinstance(result, PutResult):
                 assert isinstance(op, PutOp)
-                results.append(pb.StoreOpResult(put=_put_reply(result, op)))
+                results.append(pb.StoreOpResult(put=_put_reply(result, op, briefs[i])))
             elif isinstance(result, int):
                 results.append(pb.StoreOpResult(delete=pb.DeleteArtifactsReply(deleted=result)))
             else:
@@ -279,12 +281,14 @@ def _put_op(request: pb.PutArtifactsRequest) -> PutOp:
     )
 
 
-def _put_reply(result: PutResult, op: PutOp) -> pb.PutArtifactsReply:
+def _put_reply(result: PutResult, op: PutOp, brief: bool) -> pb.PutArtifactsReply:
     """The artifacts without the tensors of contents the request carried (the sender has
-    them; a 700-tensor publish's reply would repeat every layout)."""
+    them; a 700-tensor publish's reply would repeat every layout); none when `brief`."""
     sent = {r.content_id for r in op.replicas}
     return pb.PutArtifactsReply(
-        artifacts=[
+        artifacts=[]
+        if brief
+        else [
             artifact_to_pb(a, with_tensors=a.content_id not in sent) for a, _ in result.artifacts
         ],
         existed=[e for _, e in result.artifacts],

@@ -180,7 +180,7 @@ class _Session:
                         )
             for item in items:  # the node commits or aborts each of them from here on
                 self.reservations.discard(int(item.get("reservation_id", -1)))
-            infos, existed = self.node.put_batch(items, m.get("blob"))
+            infos, existed = self.node.put_batch(items, m.get("blob"), bool(m.get("brief")))
             return {"ok": True, "artifacts": [a.to_wire() for a in infos], "existed": existed}
         if op == "info":  # a lookup, coalesced with other callers' requests
             result = self.node.batcher.call(

@@ -415,7 +415,7 @@ class WorkerNode:
         )
 
     def put_batch(
-        self, items: list[dict], blob: bytearray | None = None
+        self, items: list[dict], blob: bytearray | None = None, brief: bool = False
     ) -> tuple[list[ArtifactInfo], list[bool]]:
         """Write and name artifacts for a same-host caller with ONE Global Store request
         (PutArtifacts: one transaction, all or nothing). Each item names its artifact
@@ -424,7 +424,8 @@ class WorkerNode:
         hashes), a reservation the caller wrote (`reservation_id`, `tensors`), or a content the
         cluster holds already (`content_id`). Every hash is checked against the bytes here. On
         any failure nothing is named, the contents this call wrote are freed, and the error
-        names the batch member. Returns each artifact and whether it existed already."""
+        names the batch member. Returns each artifact (none when `brief`: the caller needs only
+        to know the batch is named) and whether it existed already."""
         committed: list[tuple[str, bool]] = []  # (content id, written by this call)
         replicas: dict[str, pb.NewReplica] = {}
         layouts: dict[str, tuple[TensorMeta, ...]] = {}
@@ -448,7 +449,10 @@ class WorkerNode:
                     )
                 )
             request = pb.PutArtifactsRequest(
-                worker_id=self.worker_id, replicas=list(replicas.values()), artifacts=artifacts
+                worker_id=self.worker_id,
+                replicas=list(replicas.values()),
+                artifacts=artifacts,
+                brief=brief,
             )
             reply = self.batcher.call(pb.StoreOp(put=request)).put
         except (Unavailable, DeadlineExceeded):
