@@ -331,7 +331,7 @@ def test_a_killed_gateway_still_listed_alive_is_skipped_for_the_next(tmp_path, m
                 plan = tc.Plan(tc.CallContext(deadline_ms=20_000, idempotency_key="gw-failover"))
                 plan.on_worker("worker-1").pin("gw-x")
                 result = plan.run(rt)
-                assert result["status"] == "ok"
+                assert result["status"] == "ok" and result["gateway"] == "worker-1"
                 assert result["steps"][0]["status"] == "ok"
                 # Named, the dead gateway is the only one tried: a clear error, nothing run.
                 named = tc.Plan(tc.CallContext(deadline_ms=20_000))
