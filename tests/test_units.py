@@ -274,3 +274,41 @@ def test_store_addresses_are_a_list_of_host_ports():
     for bad in ("", " , ", "h1:7400,h2", "h1:x", "h1:70000"):
         with pytest.raises(InvalidArgument):
             parse_store_addrs(bad)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(_json_values)
+@settings(max_examples=200, deadline=None)
+def test_cli_json_text_is_the_same_json(value):
+    import json
+
+    from tensorcast.cli.common import json_text
+
+    assert json.loads(json_text(value)) == value
+
+
+def test_cli_json_text_puts_each_listed_item_on_its_own_line():
+    import json
+
+    from tensorcast.cli.common import json_text
+
+    data = {"b": [{"x": 1, "y": [1, 2]}, {"x": 2}], "a": {"k": "v"}, "c": []}
+    lines = json_text(data).splitlines()
+    assert lines == [
+        "{",
+        '  "a": {"k": "v"},',
+        '  "b": [',
+        '    {"x": 1, "y": [1, 2]},',
+        '    {"x": 2}',
+        "  ],",
+        '  "c": []',
+        "}",
+    ]
+    assert json_text([1, "two"]).splitlines() == ["[", "  1,", '  "two"', "]"]
+    assert json.loads(json_text(data)) == data

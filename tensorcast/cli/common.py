@@ -80,9 +80,35 @@ def connect(state_dir: Path | None, addr: str | None, token: str | None) -> Runt
 
 def emit(as_json: bool, data: Any, human: str) -> None:
     if as_json:
-        sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(json_text(data) + "\n")
     else:
         sys.stdout.write(human.rstrip("\n") + "\n")
+
+
+def json_text(data: Any) -> str:
+    """`--json` output: a top-level object's keys and a top-level list's items one per line,
+    each value compact, keys sorted. Long listings read one entry per line (greppable), and
+    json's C encoder does the work: `indent=` would fall back to its pure-Python encoder, 0.33
+    instead of 0.08 s for 10,000 artifacts."""
+
+    def items(value: list, pad: str) -> str:
+        if not value:
+            return "[]"
+        inner = ",\n".join(pad + "  " + json.dumps(v, sort_keys=True) for v in value)
+        return "[\n" + inner + "\n" + pad + "]"
+
+    if isinstance(data, list):
+        return items(data, "")
+    if isinstance(data, dict) and data:
+        lines = []
+        for key in sorted(data):
+            value = data[key]
+            text = (
+                items(value, "  ") if isinstance(value, list) else json.dumps(value, sort_keys=True)
+            )
+            lines.append(f"  {json.dumps(key)}: {text}")
+        return "{\n" + ",\n".join(lines) + "\n}"
+    return json.dumps(data, sort_keys=True)
 
 
 def fail(message: str, exit_code: int) -> None:
