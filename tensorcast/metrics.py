@@ -10,7 +10,6 @@ import bisect
 import json
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 Sample = tuple[str, dict[str, str], float]  # name, labels, value
 
@@ -103,6 +102,8 @@ class MetricsServer:
         help_texts: dict[str, str],
         health: Callable[[], tuple[bool, dict]],
     ) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # servers only
+
         host, _, port = listen.rpartition(":")
 
         class Handler(BaseHTTPRequestHandler):

@@ -4,15 +4,20 @@ store calls as frames on a kept-open socket, with gRPC as the fallback. Real sto
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import tensorcast as tc
 from tensorcast.errors import NotFound, TensorcastError, Unauthenticated
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc import frames
 from tensorcast.rpc.frames import FrameClient, FrameTransportError
+from tensorcast.sdk.cluster_file import ClusterRecord
 from tensorcast.transport.unix import recv_exact
 
 
@@ -142,3 +147,75 @@ def test_closing_the_frame_server_ends_its_threads_and_connections():
     with pytest.raises(FrameTransportError):
         client.call("Status", pb.Empty(), 5.0)  # the idle connection was ended, not left open
     client.close()
+
+
+NO_GRPC_SCRIPT = """
+import json, sys
+import torch
+import tensorcast as tc
+with tc.connect(state_dir=sys.argv[1]) as rt:
+    rt.put({"w": torch.arange(4.0)}, "frames/no-grpc")
+    got = rt.artifact("frames/no-grpc").tensor_dict()["w"].tolist()
+    workers = len(rt.workers())
+print(json.dumps({"grpc": "grpc" in sys.modules, "got": got, "workers": workers}))
+"""
+
+CLI_SCRIPT = """
+import atexit, sys
+atexit.register(lambda: print("grpc loaded:", "grpc" in sys.modules, file=sys.stderr))
+from tensorcast.cli.main import run
+sys.argv = ["tc", "ls", "--json", "--state-dir", sys.argv[1]]
+run()
+"""
+
+
+def test_a_caller_on_the_local_cluster_never_imports_grpc(cluster):
+    """The cluster record names the store's frame port, so puts, reads, listings and `tc ls`
+    need no gRPC at all (importing it is ~0.1-0.2 s of every command and loader start)."""
+    sdk = subprocess.run(
+        [sys.executable, "-c", NO_GRPC_SCRIPT, str(cluster.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sdk.returncode == 0, sdk.stderr
+    assert json.loads(sdk.stdout) == {"grpc": False, "got": [0.0, 1.0, 2.0, 3.0], "workers": 2}
+    cli = subprocess.run(
+        [sys.executable, "-c", CLI_SCRIPT, str(cluster.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "frames/no-grpc" in {a["art_id"] for a in json.loads(cli.stdout)["artifacts"]}
+    assert "grpc loaded: False" in cli.stderr
+
+
+@pytest.mark.parametrize("stale", ["nothing listening", "another cluster's store"])
+def test_a_stale_frame_port_in_the_record_falls_back_to_grpc(cluster, tmp_path, stale):
+    """A record whose store port moved (a restart elsewhere) must not break callers, nor make
+    another cluster's store on that port (refusing our token) look like this one refusing us."""
+
+    class OtherStore:
+        def Status(self, request, context):
+            return pb.StoreStatus(frame_port=1)
+
+    other = frames.FrameServer(OtherStore(), "another-token", "127.0.0.1")
+    if stale == "nothing listening":
+        other.close()  # its port is free again
+    try:
+        record = ClusterRecord.load(cluster.state_dir)
+        assert record is not None and record.store_frame_ports()
+        real_port = next(iter(record.store_frame_ports().values()))
+        for p in record.processes:
+            if p.role == "store":
+                p.frame_port = other.port
+        record.save(tmp_path)
+        shutil.copy(cluster.state_dir / "token", tmp_path / "token")
+        with tc.connect(state_dir=tmp_path) as rt:
+            assert rt.store_status().frame_port == real_port  # answered by gRPC
+            rt.put({"w": torch.ones(2)}, f"frames/stale-{other.port}")
+            assert rt.store._frames is not None and rt.store._frames.addr[1] == real_port
+            assert rt.info(f"frames/stale-{other.port}").art_id == f"frames/stale-{other.port}"
+    finally:
+        other.close()

@@ -312,3 +312,17 @@ def test_cli_json_text_puts_each_listed_item_on_its_own_line():
     ]
     assert json_text([1, "two"]).splitlines() == ["[", "  1,", '  "two"', "]"]
     assert json.loads(json_text(data)) == data
+
+
+def test_a_cluster_record_from_a_newer_tc_loads_without_its_unknown_fields(tmp_path):
+    import json
+
+    from tensorcast.sdk.cluster_file import CLUSTER_FILE, ClusterRecord
+
+    store = {"role": "store", "name": "store", "pid": 1, "addr": "127.0.0.1:5", "log": "l"}
+    data = {"store_addr": "127.0.0.1:5", "started_at": 1.0, "processes": [store]}
+    data["processes"][0] = {**store, "frame_port": 7, "field_of_the_future": "x"}
+    (tmp_path / CLUSTER_FILE).write_text(json.dumps(data))
+    record = ClusterRecord.load(tmp_path)
+    assert record is not None and record.processes[0].addr == "127.0.0.1:5"
+    assert record.store_frame_ports() == {"127.0.0.1:5": 7}

@@ -115,10 +115,15 @@ def start(
         listen,
         token,
         t.heartbeat_ttl_s,
-        on_ready=lambda addr, metrics_addr: announce(
+        on_ready=lambda addr, metrics_addr, frame_port: announce(
             ready_file,
             as_json,
-            {"addr": addr, "pid": os.getpid(), "metrics_addr": metrics_addr},
+            {
+                "addr": addr,
+                "pid": os.getpid(),
+                "metrics_addr": metrics_addr,
+                "frame_port": frame_port,
+            },
         ),
         metrics_listen=metrics_listen,
         tls=tls_files(directory, tls_ca, tls_cert, tls_key),

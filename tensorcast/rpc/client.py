@@ -1,20 +1,24 @@
-"""Client side: channels carrying the cluster token, and gRPC errors turned into TensorcastError."""
+"""Client side: channels carrying the cluster token, and gRPC errors turned into TensorcastError.
+
+grpc is imported when the first channel is made, not with this module (see tensorcast.rpc)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, parse_store_addrs, send_token
 from tensorcast.errors import Unavailable, error_for_grpc_code
-from tensorcast.rpc.server import ERROR_MARK, TOKEN_METADATA_KEY
+from tensorcast.rpc import ERROR_MARK, TOKEN_METADATA_KEY
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    import grpc
 
 
 def make_channel(addr: str, tls: TLSFiles | None = None) -> grpc.Channel:
+    import grpc
+
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -65,6 +69,9 @@ class Stub:
     """Wraps a generated stub: adds the token and a deadline to every call, translates errors."""
 
     def __init__(self, stub: Any, target: str, token: str, timeout_s: float) -> None:
+        import grpc  # loaded already: the stub's channel needed it
+
+        self._rpc_error = grpc.RpcError
         self._stub = stub
         self._target = target
         self._metadata = ((TOKEN_METADATA_KEY, send_token(token)),)
@@ -74,14 +81,14 @@ class Stub:
         fn: Callable = getattr(self._stub, method)
         try:
             return fn(request, metadata=self._metadata, timeout=timeout_s or self._timeout_s)
-        except grpc.RpcError as e:
+        except self._rpc_error as e:
             raise translate(e, self._target) from None
 
     def stream(self, method: str, request: Any, timeout_s: float | None = None) -> Iterator[Any]:
         fn: Callable = getattr(self._stub, method)
         try:
             yield from fn(request, metadata=self._metadata, timeout=timeout_s or self._timeout_s)
-        except grpc.RpcError as e:
+        except self._rpc_error as e:
             raise translate(e, self._target) from None
 
 
@@ -102,11 +109,14 @@ class FailoverStub:
         tls: TLSFiles | None = None,
     ) -> None:
         self.addrs = parse_store_addrs(addrs)
-        self._channels = [make_channel(a, tls) for a in self.addrs]
-        self._stubs = [
-            Stub(make_stub(c), f"{what} {a}", token, timeout_s)
-            for a, c in zip(self.addrs, self._channels)
-        ]
+        self._make_stub = make_stub
+        self._what = what
+        self._token = token
+        self._timeout_s = timeout_s
+        self._tls = tls
+        # Each member's channel and stub, made on its first gRPC call.
+        self._members: list[tuple[grpc.Channel, Stub] | None] = [None] * len(self.addrs)
+        self._members_lock = threading.Lock()
         self._current = 0
 
     @property
@@ -115,12 +125,12 @@ class FailoverStub:
 
     def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         first = self._current
-        for i in range(len(self._stubs)):
-            k = (first + i) % len(self._stubs)
+        for i in range(len(self.addrs)):
+            k = (first + i) % len(self.addrs)
             try:
-                reply = self._stubs[k].call(method, request, timeout_s)
+                reply = self._stub(k).call(method, request, timeout_s)
             except Unreachable:
-                if i == len(self._stubs) - 1:
+                if i == len(self.addrs) - 1:
                     raise
                 continue
             self._current = k
@@ -129,8 +139,21 @@ class FailoverStub:
 
     def members(self) -> list[tuple[str, Stub]]:
         """Each member's own stub (no failover): to ask every member, as `tc status` does."""
-        return list(zip(self.addrs, self._stubs))
+        return [(a, self._stub(k)) for k, a in enumerate(self.addrs)]
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        with self._members_lock:
+            members, self._members = self._members, [None] * len(self.addrs)
+        for member in members:
+            if member is not None:
+                member[0].close()
+
+    def _stub(self, k: int) -> Stub:
+        with self._members_lock:
+            member = self._members[k]
+            if member is None:
+                channel = make_channel(self.addrs[k], self._tls)
+                target = f"{self._what} {self.addrs[k]}"
+                stub = Stub(self._make_stub(channel), target, self._token, self._timeout_s)
+                member = self._members[k] = (channel, stub)
+            return member[1]

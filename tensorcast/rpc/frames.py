@@ -40,7 +40,6 @@ from tensorcast.errors import (
 )
 from tensorcast.metrics import RPC_LATENCY
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import FailoverStub
 from tensorcast.transport.unix import recv_exact
 
@@ -255,23 +254,40 @@ class FrameClient:
         sock.close()
 
 
+def _store_stub(channel: Any) -> Any:
+    from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc  # imports grpc
+
+    return pb_grpc.GlobalStoreStub(channel)
+
+
 class StoreClient(FailoverStub):
     """The Global Store's members: unary calls go to the current member's frame port once its
     Status named one, gRPC otherwise, and gRPC again for a call whose frame connection failed
     before an answer (then the port is looked up anew, at most every REDISCOVER_S). With TLS
-    files every call stays on gRPC (the frame port has no TLS)."""
+    files every call stays on gRPC (the frame port has no TLS). `frame_ports` (member address
+    -> port, from the local cluster's record) saves the first lookup, and with it importing
+    grpc at all: a port that fails is looked up by Status like any other."""
 
     REDISCOVER_S = 5.0
 
     def __init__(
-        self, addrs: str, token: str, timeout_s: float, tls: TLSFiles | None = None
+        self,
+        addrs: str,
+        token: str,
+        timeout_s: float,
+        tls: TLSFiles | None = None,
+        frame_ports: dict[str, int] | None = None,
     ) -> None:
-        super().__init__(addrs, pb_grpc.GlobalStoreStub, "global store", token, timeout_s, tls)
+        super().__init__(addrs, _store_stub, "global store", token, timeout_s, tls)
         self.timeout_s = timeout_s
         self._token = send_token(token)
         self._use_frames = tls is None
+        self._frame_ports = dict(frame_ports or {})
         self._frames: FrameClient | None = None
         self._frames_member = -1
+        # A port taken from frame_ports until it answers: one that refuses the token is a stale
+        # record's (another cluster's store listens there now), not this cluster refusing us.
+        self._unconfirmed: FrameClient | None = None
         self._next_lookup = 0.0
         self._frames_lock = threading.Lock()
 
@@ -279,8 +295,12 @@ class StoreClient(FailoverStub):
         frames = self._frame_client() if method in STORE_METHODS else None
         if frames is not None:
             try:
-                return frames.call(method, request, timeout_s or self.timeout_s)
-            except FrameTransportError as e:
+                reply = frames.call(method, request, timeout_s or self.timeout_s)
+                self._unconfirmed = None
+                return reply
+            except (FrameTransportError, Unauthenticated) as e:
+                if isinstance(e, Unauthenticated) and frames is not self._unconfirmed:
+                    raise
                 log.info("store frame port failed (%s): this call goes by gRPC", e)
                 with self._frames_lock:
                     if self._frames is frames:
@@ -298,23 +318,30 @@ class StoreClient(FailoverStub):
     def _frame_client(self) -> FrameClient | None:
         if not self._use_frames:
             return None
-        with self._frames_lock:
-            if self._frames is not None and self._frames_member == self._current:
-                return self._frames
-            if time.monotonic() < self._next_lookup:
-                return None
-            self._next_lookup = time.monotonic() + self.REDISCOVER_S
-        try:
-            status = super().call("Status", pb.Empty())
-        except TensorcastError:
-            return None
-        if not status.frame_port:
-            return None
         member = self._current
+        with self._frames_lock:
+            if self._frames is not None and self._frames_member == member:
+                return self._frames
+            port = self._frame_ports.pop(self.addrs[member], 0)
+            hinted = bool(port)
+            if not port:
+                if time.monotonic() < self._next_lookup:
+                    return None
+                self._next_lookup = time.monotonic() + self.REDISCOVER_S
+        if not port:
+            try:
+                status = super().call("Status", pb.Empty())
+            except TensorcastError:
+                return None
+            port = status.frame_port
+            if not port:
+                return None
+            member = self._current
         host = self.addrs[member].rpartition(":")[0].strip("[]")
-        frames = FrameClient(host, status.frame_port, self._token)
+        frames = FrameClient(host, port, self._token)
         with self._frames_lock:
             old, self._frames, self._frames_member = self._frames, frames, member
+            self._unconfirmed = frames if hinted else None
         if old is not None:
             old.close()
         return frames

@@ -13,15 +13,9 @@ import grpc
 from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, token_accepted
 from tensorcast.errors import TensorcastError
 from tensorcast.metrics import RPC_LATENCY
+from tensorcast.rpc import ERROR_MARK, TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
-
-TOKEN_METADATA_KEY = "x-tensorcast-token"
-
-
-# Marks statuses raised on purpose by a TensorCast service, as opposed to transport failures
-# (connection refused, reset) that gRPC reports with the same codes.
-ERROR_MARK = "tensorcast: "
 
 
 def _abort(context: grpc.ServicerContext, error: TensorcastError) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 CLUSTER_FILE = "cluster.json"
@@ -19,6 +19,7 @@ class ProcessRecord:
     addr: str
     log: str
     metrics_addr: str = ""
+    frame_port: int = 0  # a store's frame port (0: none, or not recorded)
 
 
 @dataclass
@@ -26,6 +27,10 @@ class ClusterRecord:
     store_addr: str
     started_at: float
     processes: list[ProcessRecord] = field(default_factory=list)
+
+    def store_frame_ports(self) -> dict[str, int]:
+        """Store address -> frame port, for the stores that recorded one."""
+        return {p.addr: p.frame_port for p in self.processes if p.role == "store" and p.frame_port}
 
     def save(self, state_dir: Path) -> None:
         path = state_dir / CLUSTER_FILE
@@ -42,8 +47,15 @@ class ClusterRecord:
         return cls(
             store_addr=data["store_addr"],
             started_at=data["started_at"],
-            processes=[ProcessRecord(**p) for p in data.get("processes", [])],
+            processes=[_process(p) for p in data.get("processes", [])],
         )
+
+
+def _process(data: dict) -> ProcessRecord:
+    """Fields this version does not know are left out: a record written by a newer `tc`
+    (a cluster it started) stays readable."""
+    known = {f.name for f in fields(ProcessRecord)}
+    return ProcessRecord(**{k: v for k, v in data.items() if k in known})
 
 
 def read_token(state_dir: Path) -> str | None:

@@ -333,7 +333,15 @@ def _start_store(
             if i == len(listens) - 1:
                 raise
             continue
-        return ProcessRecord("store", name, proc.pid, info["addr"], str(log), info["metrics_addr"])
+        return ProcessRecord(
+            "store",
+            name,
+            proc.pid,
+            info["addr"],
+            str(log),
+            info["metrics_addr"],
+            info.get("frame_port", 0),
+        )
     raise AssertionError("unreachable")
 
 

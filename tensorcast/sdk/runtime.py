@@ -14,7 +14,6 @@ from tensorcast import config
 from tensorcast.errors import InvalidArgument, NotFound, Unavailable
 from tensorcast.placement import order_sources, order_targets
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
 from tensorcast.rpc.client import Stub, make_channel
 from tensorcast.rpc.convert import (
     artifact_from_pb,
@@ -69,6 +68,7 @@ def connect(
     """
     directory = Path(state_dir) if state_dir else config.default_state_dir()
     addr = addr or config.env_addr()
+    frame_ports: dict[str, int] = {}
     if addr is None:
         record = ClusterRecord.load(directory)
         if record is None:
@@ -76,12 +76,13 @@ def connect(
                 f"no local cluster in {directory}: run `tc up`, or pass --addr / set TC_ADDR"
             )
         addr = record.store_addr
+        frame_ports = record.store_frame_ports()
     config.parse_store_addrs(addr)
     token = token or config.env_token() or read_token(directory)
     if not token:
         raise InvalidArgument("no cluster token: pass --token, set TC_TOKEN, or use the state dir")
     tls = tls or config.tls_files(directory)
-    runtime = Runtime(addr, token, timeout_s or config.timing().rpc_timeout_s, tls)
+    runtime = Runtime(addr, token, timeout_s or config.timing().rpc_timeout_s, tls, frame_ports)
     runtime.store_status()  # fail fast on a wrong address or token
     return runtime
 
@@ -93,13 +94,14 @@ class Runtime:
         token: str,
         timeout_s: float,
         tls: config.TLSFiles | None = None,
+        frame_ports: dict[str, int] | None = None,
     ) -> None:
         self.store_addr = store_addr
         self.token = config.send_token(token)  # what this caller presents everywhere
         self.timeout_s = timeout_s
         self.tls = tls
         self.host_id = config.host_id()
-        self.store = StoreClient(store_addr, token, timeout_s, tls)
+        self.store = StoreClient(store_addr, token, timeout_s, tls, frame_ports)
         self._worker_stubs: dict[str, tuple[Any, Stub, str]] = {}
         self._local: dict[str, LocalConnection] = {}
         self._lock = threading.Lock()
@@ -141,6 +143,8 @@ class Runtime:
         with self._lock:
             cached = self._worker_stubs.get(worker_id)
             if cached is None or cached[2] != addr:
+                from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc  # imports grpc
+
                 channel = make_channel(addr, self.tls)
                 stub = Stub(
                     pb_grpc.WorkerServiceStub(channel),

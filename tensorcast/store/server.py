@@ -103,7 +103,8 @@ def serve(
     metrics_listen: str = "127.0.0.1:0",
     tls: TLSFiles | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop_event`). `on_ready(addr)` runs once listening."""
+    """Serve until SIGTERM/SIGINT (or `stop_event`). `on_ready(addr, metrics_addr,
+    frame_port)` runs once listening (frame_port 0: none, with TLS)."""
     store, coord = backend
     db_path = store.describe()
     server = make_server(token)
@@ -126,7 +127,7 @@ def serve(
             signal.signal(sig, lambda *_: stop.set())
     log.info("global store listening on %s, records in %s", addr, db_path)
     if on_ready:
-        on_ready(addr, metrics.addr)
+        on_ready(addr, metrics.addr, service.frame_port)
     while not stop.wait(SWEEP_INTERVAL_S):
         try:
             store.sweep(time.time())
