@@ -16,6 +16,8 @@ Setup (all on 127.0.0.1, started in a temporary state dir, always stopped):
       gw-p2c+redis       power_of_two, instances share prefixes through Redis (--routers only)
       tc-rebalance       `tc router start --policy rebalance` (sticky cache-aware placement +
                          Algorithm 1 every --tick seconds, migrations as plans)
+      tc-rebalance+tensorcast  the same, instances also sharing prefixes through TensorCast
+                         KV pages (a miss on the session's instance reads them from the pages)
   - the client: `--sessions` concurrent sessions (tensorcast.router.workload, preset think times
     divided by C), each turn a streamed /generate with input_ids = the whole context; a finished
     session is replaced by the next one; `--duration` seconds per run, the first `--warmup`
@@ -69,7 +71,14 @@ from kv_baselines import (
 
 from tensorcast.router.workload import Workload
 
-ROUTERS = ("gw-p2c", "gw-cache", "gw-p2c+mooncake", "gw-p2c+tensorcast", "tc-rebalance")
+ROUTERS = (
+    "gw-p2c",
+    "gw-cache",
+    "gw-p2c+mooncake",
+    "gw-p2c+tensorcast",
+    "tc-rebalance",
+    "tc-rebalance+tensorcast",
+)
 ALL_ROUTERS = (*ROUTERS, "gw-p2c+redis")
 COMPRESSION = {"fast": 8.0, "medium": 20.0, "slow": 60.0}  # think medians ~1 s real
 PY = sys.executable
@@ -458,7 +467,7 @@ def one_run(
         elif router.endswith("+redis"):
             share = stack.enter_context(redis_server(b, tag))
         endpoints = stack.enter_context(sim_instances(b, compression, share, tag))
-        if router == "tc-rebalance":
+        if router.startswith("tc-rebalance"):
             addr = stack.enter_context(tc_router(b, tag))
         else:
             policy = "cache_aware" if router == "gw-cache" else "power_of_two"
@@ -468,7 +477,7 @@ def one_run(
         wall = time.monotonic() - started_at
         infos = [http_json(e, "GET", "/server_info")[1] for e in endpoints]
         migrations, migrated = 0, 0
-        if router == "tc-rebalance":
+        if router.startswith("tc-rebalance"):
             state = http_json(addr, "GET", "/router/state")[1]
             migrations, migrated = state["migrations_ok"], state["migrated_bytes"]
     ttfts = [s.ttft_s * 1000 for s in samples]
