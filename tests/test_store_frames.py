@@ -172,21 +172,20 @@ run()
 def test_a_caller_on_the_local_cluster_never_imports_grpc(cluster):
     """The cluster record names the store's frame port, so puts, reads, listings and `tc ls`
     need no gRPC at all (importing it is ~0.1-0.2 s of every command and loader start)."""
-    sdk = subprocess.run(
-        [sys.executable, "-c", NO_GRPC_SCRIPT, str(cluster.state_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert sdk.returncode == 0, sdk.stderr
+
+    def run(script: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(cluster.state_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    sdk = run(NO_GRPC_SCRIPT)
     assert json.loads(sdk.stdout) == {"grpc": False, "got": [0.0, 1.0, 2.0, 3.0], "workers": 2}
-    cli = subprocess.run(
-        [sys.executable, "-c", CLI_SCRIPT, str(cluster.state_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert cli.returncode == 0, cli.stderr
+    cli = run(CLI_SCRIPT)
     assert "frames/no-grpc" in {a["art_id"] for a in json.loads(cli.stdout)["artifacts"]}
     assert "grpc loaded: False" in cli.stderr
 

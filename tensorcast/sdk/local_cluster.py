@@ -340,7 +340,7 @@ def _start_store(
             info["addr"],
             str(log),
             info["metrics_addr"],
-            info.get("frame_port", 0),
+            info["frame_port"],
         )
     raise AssertionError("unreachable")
 
