@@ -137,7 +137,7 @@ def test_migrate_mid_generation_across_hosts_continues_token_identically(hosts, 
         reference = generate(a, "ref", PROMPT, 24)
         assert len(set(reference)) > 4  # a degenerate sequence would prove little
         first = generate(a, "req-1", PROMPT, 10)
-        result = migrate(rt, "req-1", "inst-a", "inst-b")
+        result = migrate(rt, "req-1", "inst-a", "inst-b", parts=1)
         assert [s["op"] for s in result["steps"]] == [
             "publish",
             "prefetch_many",

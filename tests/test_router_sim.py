@@ -33,6 +33,8 @@ from tensorcast.errors import (
 )
 
 FAST = SimConfig(page_tokens=8, cache_tokens=4096, time_scale=1000.0, kv_bytes_per_token=64)
+# Blocks of 256 KiB: one block per exported page, so an export in parts has pages in each.
+PAGED = SimConfig(page_tokens=8, cache_tokens=2048, time_scale=1000.0, kv_bytes_per_token=32768)
 SYSTEM = list(range(100, 164))  # 64 tokens every session shares (8 blocks)
 
 
@@ -125,6 +127,25 @@ def test_an_export_is_a_copy_that_outlives_the_blocks_it_came_from():
         a.close()
 
 
+def test_a_released_export_lends_its_memory_to_the_next_export():
+    a, b = SimEngine(PAGED).start(), SimEngine(PAGED).start()
+    try:
+        run(a, context(11, 100), session="one")
+        run(a, context(12, 100), session="two")
+        first = a.export_kv("one")
+        memory = {p.data_ptr() for p in first.pages.values()}
+        b.import_kv("one", first)
+        assert first.release is not None
+        first.release()
+        second = a.export_kv("two")  # into the buffers `first` gave back, holding its own bytes
+        assert {p.data_ptr() for p in second.pages.values()} <= memory
+        b.import_kv("two", second)  # every block checked against its tokens: no stale bytes
+        assert sorted(b.load().requests) == ["one", "two"]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_time_to_first_token_is_at_least_the_modelled_prefill():
     """Lower bounds only: the emulator waits the modelled time (more when the host is busy)."""
     cost = CostModel(prefill_base_s=0.0, prefill_per_token_s=0.0005, prefill_per_context_token_s=0)
@@ -191,6 +212,71 @@ def test_import_rejects_bad_exports(engine):
         assert other.load().requests == () and len(other.cache) == 0  # nothing half-imported
     finally:
         other.close()
+
+
+def test_an_export_in_parts_imports_in_any_order_and_is_resident_only_when_complete():
+    a, b = SimEngine(PAGED).start(), SimEngine(PAGED).start()
+    try:
+        first = run(a, context(8, 150), session="sess")
+        whole = a.export_kv("sess")
+        parts = [a.export_kv_part("sess", k, 3) for k in range(3)]
+        assert all(p.meta == whole.meta for p in parts)
+        names = [n for p in parts for n in p.pages]
+        assert sorted(names) == sorted(whole.pages) and len(names) == len(set(names))
+        assert [len(p.pages) for p in parts] == [9, 9, 9]  # 27 blocks, one per page
+        assert b.import_kv_part("sess", 2, 3, parts[2]) is False
+        assert b.import_kv_part("sess", 0, 3, parts[0]) is False
+        assert b.import_kv_part("sess", 0, 3, parts[0]) is False  # sent again: replaces, no dup
+        assert b.load().requests == ()  # not resident while a part is missing
+        assert b.import_kv_part("sess", 1, 3, parts[1]) is True
+        assert b.load().requests == ("sess",)
+        blocks = whole.meta["blocks"]
+        assert len(b.cache) == blocks
+        nxt = run(b, first.tokens + first.outputs + [9] * 20, session="sess")
+        assert nxt.cached_tokens == blocks * 8
+        with pytest.raises(AlreadyExists):  # resident: a new attempt's first part is refused
+            b.import_kv_part("sess", 0, 3, parts[0])
+        with pytest.raises(InvalidArgument, match="part"):
+            a.export_kv_part("sess", 3, 3)
+        with pytest.raises(InvalidArgument, match="part 1 of 3 must be exactly"):
+            b.import_kv_part("other", 1, 3, parts[0])  # part 0's pages sent as part 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_parts_of_an_unfinished_import_never_hold_buffers_for_ever(monkeypatch):
+    import tensorcast.engine.sim as sim
+
+    a, b = SimEngine(PAGED).start(), SimEngine(PAGED).start()
+    try:
+        run(a, context(9, 150), session="s")
+        parts = [a.export_kv_part("s", k, 2) for k in range(2)]
+        assert b.import_kv_part("s", 0, 2, parts[0]) is False
+        assert b.evict("s") is False  # not resident, but its staged part is dropped
+        assert b.import_kv_part("s", 1, 2, parts[1]) is False  # so part 1 alone completes nothing
+        # A part of the same request cut differently (another attempt) starts over.
+        thirds = [a.export_kv_part("s", k, 3) for k in range(3)]
+        assert b.import_kv_part("s", 0, 3, thirds[0]) is False
+        assert b.import_kv_part("s", 1, 3, thirds[1]) is False
+        assert b.import_kv_part("s", 1, 2, parts[1]) is False  # dropped the thirds
+        assert b.import_kv_part("s", 2, 3, thirds[2]) is False  # ... and restarted again
+        assert b.load().requests == ()
+        # Expired staging goes at the next import; the number waiting at once is bounded.
+        monkeypatch.setattr(sim, "STAGED_TTL_S", -1.0)
+        assert b.import_kv_part("s", 0, 2, parts[0]) is False
+        assert b.import_kv_part("s", 1, 2, parts[1]) is False  # part 0 had expired
+        monkeypatch.setattr(sim, "STAGED_TTL_S", 60.0)
+        monkeypatch.setattr(sim, "MAX_STAGED", 2)
+        for i in range(2):
+            run(a, context(20 + i, 40), session=f"x{i}")
+            assert b.import_kv_part(f"x{i}", 0, 2, a.export_kv_part(f"x{i}", 0, 2)) is False
+        with pytest.raises(ResourceExhausted):
+            b.import_kv_part("s", 0, 2, parts[0])
+        assert b.load().requests == ()
+    finally:
+        a.close()
+        b.close()
 
 
 def test_bad_requests_and_config():
@@ -320,7 +406,9 @@ def test_shared_prefixes_through_tensorcast_pages(cluster):
         rt.close()
 
 
-def start_sim_instance(cluster, iid: str, worker: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_sim_instance(
+    cluster, iid: str, worker: str, *extra: str, kv_bytes_per_token: int = 64
+) -> tuple[subprocess.Popen, str]:
     ready = cluster.state_dir / f"{iid}.ready"
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
@@ -339,7 +427,7 @@ def start_sim_instance(cluster, iid: str, worker: str, *extra: str) -> tuple[sub
             "--page-tokens",
             "8",
             "--kv-bytes-per-token",
-            "64",
+            str(kv_bytes_per_token),
             "--time-scale",
             "1000",
             "--load-interval",
@@ -363,7 +451,8 @@ def sims(cluster):
     procs, endpoints = [], {}
     try:
         for iid, worker in (("sim-a", "worker-1"), ("sim-b", "worker-2")):
-            proc, endpoint = start_sim_instance(cluster, iid, worker)
+            # 256 KiB blocks: one per exported page, so a migration in parts has pages in each
+            proc, endpoint = start_sim_instance(cluster, iid, worker, kv_bytes_per_token=32768)
             procs.append(proc)
             endpoints[iid] = endpoint
         with cluster.connect() as rt:
@@ -386,20 +475,63 @@ def sglang_generate(endpoint: str, session: str, ids: list[int], n: int = 4) -> 
     return engine_request(endpoint, "POST", "/generate", body)
 
 
-def test_migrate_a_sim_session_moves_its_kv_bytes(cluster, sims):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_migrate_a_sim_session_moves_its_kv_bytes(cluster, sims, parts):
     a, b = sims["sim-a"], sims["sim-b"]
-    first = sglang_generate(a, "mig-1", context(21, 200))
-    proc = cluster.tc("migrate", "mig-1", "--from", "sim-a", "--to", "sim-b", "--json", check=True)
+    session = f"mig-{parts}"
+    first = sglang_generate(a, session, context(21 + parts, 200))
+    proc = cluster.tc(
+        "migrate", session, "--from", "sim-a", "--to", "sim-b", "--parts", str(parts), "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert [s["op"] for s in result["steps"]] == ["publish", "prefetch_many", "hydrate", "evict"]
+    ops = [s["op"] for s in result["steps"]]
+    assert ops == ["publish", "prefetch_many", "hydrate"] * parts + ["evict"]
     blocks = (264 + 4) // 8
-    assert result["steps"][0]["result"]["bytes"] >= blocks * 8 * 64  # + the manifest
-    assert result["steps"][2]["result"]["bytes"] >= blocks * 8 * 64
-    nxt = sglang_generate(b, "mig-1", context(21, 200) + first["output_ids"] + [3] * 10)
+    published = [s["result"] for s in result["steps"] if s["op"] == "publish"]
+    hydrated = [s["result"] for s in result["steps"] if s["op"] == "hydrate"]
+    # Each part carries its own pages (plus its manifest): together every block, once.
+    keys = [p["key"] for r in published for p in r["pages"] if "manifest" not in p["key"]]
+    assert len(keys) == len(set(keys)) == blocks
+    assert all(r["pages"] > 1 for r in hydrated)  # a third of the blocks each
+    assert sum(r["bytes"] for r in hydrated) == blocks * 8 * 32768
+    assert [r["resident"] for r in hydrated].count(True) == 1  # resident once, when complete
+    nxt = sglang_generate(b, session, context(21 + parts, 200) + first["output_ids"] + [3] * 10)
     assert nxt["meta_info"]["cached_tokens"] == blocks * 8
     assert engine_request(a, "GET", "/requests")["requests"] == []  # evicted from the source
     stats = engine_request(b, "GET", "/requests")["requests"]
-    assert stats[0]["req_id"] == "mig-1" and stats[0]["migrations"] == 1
+    assert [(s["req_id"], s["migrations"]) for s in stats if s["req_id"] == session] == [
+        (session, 1)
+    ]
+    engine_request(b, "POST", "/evict", {"req_id": session})
+
+
+def test_a_migration_cut_off_between_parts_leaves_the_source_whole(cluster, sims):
+    """What a failure half-way leaves: the parts that arrived stay parked (not resident), the
+    source still serves the session, and the next attempt moves it whole."""
+    import tensorcast as tc
+    from tensorcast.sdk.migrate import migrate
+
+    a, b = sims["sim-a"], sims["sim-b"]
+    ids = context(40, 200)
+    first = sglang_generate(a, "cut", ids)
+    with cluster.connect() as rt:
+        plan = tc.Plan(tc.CallContext(deadline_ms=30_000))
+        for part in range(2):  # two of three parts reach the target, then nothing
+            flush = plan.on_instance("sim-a").publish("cut", part=part, parts=3)
+            plan.on_instance("sim-b").hydrate("cut", flush.pages, part=part, parts=3)
+        result = plan.run(rt, concurrency=2)
+        assert [s["result"].get("resident") for s in result["steps"][1::2]] == [False, False]
+        assert "cut" not in [s["req_id"] for s in engine_request(b, "GET", "/requests")["requests"]]
+        assert "cut" in [s["req_id"] for s in engine_request(a, "GET", "/requests")["requests"]]
+        with pytest.raises(tc.InvalidArgument, match="part"):  # a part out of range: refused
+            p = tc.Plan(tc.CallContext(deadline_ms=10_000))
+            p.on_instance("sim-a").publish("cut", part=3, parts=3)
+            p.run(rt)
+        migrate(rt, "cut", "sim-a", "sim-b", parts=3)  # same cut: parks nothing twice
+    nxt = sglang_generate(b, "cut", ids + first["output_ids"] + [5] * 10)
+    assert nxt["meta_info"]["cached_tokens"] == (len(ids) + 4) // 8 * 8
+    engine_request(b, "POST", "/evict", {"req_id": "cut"})
 
 
 def test_instance_start_rejects_bad_engines(cluster):

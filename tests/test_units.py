@@ -326,3 +326,19 @@ def test_a_cluster_record_from_a_newer_tc_loads_without_its_unknown_fields(tmp_p
     record = ClusterRecord.load(tmp_path)
     assert record is not None and record.processes[0].addr == "127.0.0.1:5"
     assert record.store_frame_ports() == {"127.0.0.1:5": 7}
+
+
+def test_buffer_pool_reuses_by_size_and_keeps_at_most_its_bound():
+    from tensorcast.buffer_pool import BufferPool
+
+    pool = BufferPool(max_idle_bytes=3 * 1024)
+    a, b = pool.take([1024, 2048])
+    assert (len(a), len(b)) == (1024, 2048)
+    pool.give([a, b])
+    assert pool.idle_bytes == 3072
+    again = pool.take([2048, 1024, 1024])
+    assert again[0] is b and again[1] is a  # the same memory, found by size
+    assert again[2] is not a and len(again[2]) == 1024  # none idle left: a new one
+    assert pool.idle_bytes == 0
+    pool.give([*again, bytearray(512)])  # 4.5 KiB offered: what passes the bound is dropped
+    assert pool.idle_bytes == 3072

@@ -363,9 +363,11 @@ def test_tc_migrate_between_vllm_instances_continues_token_identically(cluster, 
             "--json",
             check=True,
         )
-        steps = {s["op"]: s for s in json.loads(moved.stdout)["steps"]}
-        assert steps["hydrate"]["status"] == "ok"
-        assert steps["hydrate"]["result"]["pages"] == (len(prompt) + 8 - 1) // BLOCK * 2
+        hydrated = [s for s in json.loads(moved.stdout)["steps"] if s["op"] == "hydrate"]
+        assert [s["status"] for s in hydrated] == ["ok"] * 4  # the default 4 parts
+        # vLLM's adaptor cannot cut its export: every page travels as part 0.
+        pages = [s["result"]["pages"] for s in hydrated]
+        assert pages == [(len(prompt) + 8 - 1) // BLOCK * 2, 0, 0, 0]
         here = _generate(a["endpoint"], "conv", None, 8)  # A continues from its own cache
         there = _generate(b["endpoint"], "conv", None, 8)  # B from the migrated pages
         assert there == here

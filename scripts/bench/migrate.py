@@ -22,8 +22,15 @@ target's worker: those pages cross then), prefetch_many copies the pages homed o
 worker into the target's (the other half); hydrate then reads the target's pool. So each run
 moves the KV across once.
 
-    python scripts/bench/migrate.py                 # 5 runs of 256 MiB (~2 min)
-    python scripts/bench/migrate.py --runs 7 --kv-mib 512
+Variants (`--parts`, default 1,4): the same migration as one publish -> prefetch_many ->
+hydrate chain (1) and cut into parts that run as a pipeline (4, `tc migrate`'s default), each
+rep running every variant (order rotated per rep) on a new request, iperf3 right before each.
+`--rate` shapes both hosts' egress with tbf (e.g. 8gbit), so that the link and not this
+machine's two shared cores is the limit, as between two real hosts with cores of their own.
+
+    python scripts/bench/migrate.py                 # 5 reps of 256 MiB (~1 min)
+    python scripts/bench/migrate.py --rate 8gbit    # on a shaped link
+    python scripts/bench/migrate.py --runs 7 --kv-mib 512 --parts 1,2,4,8
 """
 
 from __future__ import annotations
@@ -117,7 +124,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--kv-mib", type=int, default=256)
     ap.add_argument("--kv-bytes-per-token", type=int, default=64 * 1024)
+    ap.add_argument("--parts", default="1,4", help="comma-separated part counts to compare")
+    ap.add_argument("--rate", default="", help="tbf rate of each host's egress (default: none)")
     args = ap.parse_args()
+    variants = [int(p) for p in args.parts.split(",")]
     reason = netns.unavailable_reason()
     if reason or shutil.which("iperf3") is None:
         print(json.dumps({"bench": "migrate", "skipped": reason or "iperf3 not installed"}))
@@ -128,6 +138,9 @@ def main() -> int:
     a, b = network.hosts
     state = Path(tempfile.mkdtemp(prefix="tc-bench-migrate-"))
     network.setup()
+    if args.rate:
+        for ns in (a, b):
+            network.limit_rate(ns, args.rate)
     cluster = netns.NetnsCluster(state, TOKEN, network=network)
     report: dict[str, Any] = {
         "bench": "migrate",
@@ -135,6 +148,8 @@ def main() -> int:
         "tokens": tokens,
         "kv_bytes_per_token": args.kv_bytes_per_token,
         "page_bytes": 256 * 1024,
+        "parts": variants,
+        "rate": args.rate or None,
         "runs": [],
         "loadavg_1m_before": round(os.getloadavg()[0], 2),
     }
@@ -194,57 +209,72 @@ def main() -> int:
             for source, dest in ((a, b), (b, a)):
                 migrate(rt, "warm", f"sim-{source}", f"sim-{dest}", deadline_ms=600_000, ttl_s=60)
             source, dest = a, b
-            for run in range(args.runs):
-                # A new request each run: its pages are new everywhere (none cached yet).
-                generate(endpoints[source], f"req-{run}", tokens, run + 1)
-                link = iperf3(network, source, dest)
-                started = time.monotonic()
-                result = migrate(
-                    rt,
-                    f"req-{run}",
-                    f"sim-{source}",
-                    f"sim-{dest}",
-                    deadline_ms=600_000,
-                    ttl_s=120,
-                )
-                wall = time.monotonic() - started
-                steps = {s["op"]: s.get("duration_s") for s in result["steps"]}
-                moved = report["kv_bytes"]
-                row = {
-                    "run": run,
-                    "direction": f"{source}->{dest}",
-                    "wall_s": round(wall, 3),
-                    "gbps": round(moved / wall / 1e9, 3),
-                    "iperf3_gbps": round(link, 3),
-                    "ratio": round(moved / wall / 1e9 / link, 3),
-                    "steps_s": steps,
-                    "loadavg_1m": round(os.getloadavg()[0], 2),
-                }
-                report["runs"].append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-                source, dest = dest, source
+            for rep in range(args.runs):
+                shift = rep % len(variants)
+                for parts in variants[shift:] + variants[:shift]:
+                    # A new request each run: its pages are new everywhere (none cached yet).
+                    req = f"req-{rep}-{parts}"
+                    generate(endpoints[source], req, tokens, rep * 100 + parts)
+                    link = iperf3(network, source, dest)
+                    started = time.monotonic()
+                    result = migrate(
+                        rt,
+                        req,
+                        f"sim-{source}",
+                        f"sim-{dest}",
+                        deadline_ms=600_000,
+                        ttl_s=120,
+                        parts=parts,
+                    )
+                    wall = time.monotonic() - started
+                    steps: dict[str, float] = {}
+                    for s in result["steps"]:  # summed over the parts
+                        steps[s["op"]] = round(steps.get(s["op"], 0.0) + s["duration_s"], 4)
+                    moved = report["kv_bytes"]
+                    row = {
+                        "rep": rep,
+                        "parts": parts,
+                        "direction": f"{source}->{dest}",
+                        "wall_s": round(wall, 3),
+                        "gbps": round(moved / wall / 1e9, 3),
+                        "iperf3_gbps": round(link, 3),
+                        "ratio": round(moved / wall / 1e9 / link, 3),
+                        "steps_s": steps,
+                        "loadavg_1m": round(os.getloadavg()[0], 2),
+                    }
+                    report["runs"].append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    source, dest = dest, source
     finally:
         cluster.stop()
         network.teardown()
         shutil.rmtree(state, ignore_errors=True)
     runs = report["runs"]
-    if runs:
-        report["median"] = {
-            k: round(statistics.median(r[k] for r in runs), 3)
-            for k in ("wall_s", "gbps", "iperf3_gbps", "ratio")
-        }
-        report["goal_ratio_0.7_met"] = report["median"]["ratio"] >= 0.7
+    report["median"] = {}
+    for parts in variants:
+        mine = [r for r in runs if r["parts"] == parts]
+        if mine:
+            report["median"][str(parts)] = {
+                k: round(statistics.median(r[k] for r in mine), 3)
+                for k in ("wall_s", "gbps", "iperf3_gbps", "ratio")
+            }
+    report["goal_ratio_0.7_met"] = {p: m["ratio"] >= 0.7 for p, m in report["median"].items()}
     print(json.dumps(report))
-    print(f"\nmigration of {report['kv_bytes'] / MIB:.0f} MiB of KV across hosts vs iperf3 (-P 4)")
-    print(f"{'run':>3} {'dir':>20} {'wall s':>7} {'GB/s':>6} {'iperf3':>7} {'ratio':>6}  steps (s)")
+    shaped = f", links shaped to {args.rate}" if args.rate else ""
+    print(f"\nmigration of {report['kv_bytes'] / MIB:.0f} MiB of KV across hosts vs iperf3{shaped}")
+    print(
+        f"{'rep':>3} {'parts':>5} {'dir':>20} {'wall s':>7} {'GB/s':>6} {'iperf3':>7} {'ratio':>6}"
+    )
     for r in runs:
         print(
-            f"{r['run']:>3} {r['direction']:>20} {r['wall_s']:>7} {r['gbps']:>6} "
+            f"{r['rep']:>3} {r['parts']:>5} {r['direction']:>20} {r['wall_s']:>7} {r['gbps']:>6} "
             f"{r['iperf3_gbps']:>7} {r['ratio']:>6}  {r['steps_s']}"
         )
-    if runs:
-        m = report["median"]
-        print(f"median: {m['gbps']} GB/s, iperf3 {m['iperf3_gbps']} GB/s, ratio {m['ratio']}")
+    for parts, m in report["median"].items():
+        print(
+            f"median, {parts} part(s): {m['gbps']} GB/s, iperf3 {m['iperf3_gbps']} GB/s, "
+            f"ratio {m['ratio']}"
+        )
     return 0
 
 

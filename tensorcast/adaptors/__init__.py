@@ -11,11 +11,15 @@ torch is imported only for type checking: importing this module must stay cheap 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+MAX_KV_PARTS = 64  # a migration cuts a request's KV cache into at most this many parts
+DEFAULT_KV_PARTS = 4  # parts per migration (tc migrate --parts; routers)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class KVExport:
 
     pages: dict[str, torch.Tensor]
     meta: dict[str, Any]
+    # Called (optionally) by the caller once it is done with the pages, so that the adaptor
+    # may reuse their memory for the next export; never called while the pages are in use.
+    release: Callable[[], None] | None = None
 
 
 class InstanceAdaptor(ABC):
@@ -80,7 +87,28 @@ class InstanceAdaptor(ABC):
 
         Validates everything first: InvalidArgument for pages that do not fit the model (layers,
         shapes, dtype, missing or extra pages); AlreadyExists if `req_id` is already resident.
+        The pages' memory is the caller's again once this returns (it reuses it for the next
+        import): keep copies, never views of it.
         """
+
+    def export_kv_part(self, req_id: str, part: int, parts: int) -> KVExport | None:
+        """Part `part` (0-based) of `parts` of the request's KV cache, for a migration that
+        streams (the target imports part 0 while the source exports part 1). An engine that can
+        cut its export returns every part's own pages with the whole request's meta; the
+        default returns the whole export as part 0 and None (nothing) for the others, so any
+        engine migrates in parts, only without the overlap."""
+        return self.export_kv(req_id) if part == 0 else None
+
+    def import_kv_part(self, req_id: str, part: int, parts: int, export: KVExport | None) -> bool:
+        """Take part `part` of `parts` (in any order, each at most once per attempt; a part
+        sent again replaces its earlier copy). True once the request is resident: after its
+        last part arrived. Same validation and failure contract as `import_kv`; parts of an
+        attempt that never completes must not hold memory for ever (the default keeps none:
+        it imports a whole export at once and ignores the empty parts)."""
+        if export is None:
+            return False
+        self.import_kv(req_id, export)
+        return True
 
     @abstractmethod
     def evict(self, req_id: str) -> bool:

@@ -1,5 +1,6 @@
 """Move a request's KV cache from one instance to another as one plan: publish on the source,
-prefetch the pages to the destination's worker, hydrate the destination, evict the source.
+prefetch the pages to the destination's worker, hydrate the destination, evict the source; in
+`--parts` parts, pipelined, so the link carries one part while the next is exported.
 Re-running with the same --key returns the recorded result and moves nothing again."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from tensorcast.adaptors import DEFAULT_KV_PARTS, MAX_KV_PARTS
 from tensorcast.cli.common import AddrOpt, JsonOpt, StateDirOpt, TokenOpt, connect, emit
 from tensorcast.cli.publish import DeadlineOpt, KeyOpt
 
@@ -22,6 +24,15 @@ def command(
         bool, typer.Option("--keep-source", help="Leave the source's copy in place.")
     ] = False,
     ttl: Annotated[float, typer.Option("--ttl", min=1, help="Page lease in seconds.")] = 600.0,
+    parts: Annotated[
+        int,
+        typer.Option(
+            "--parts",
+            min=1,
+            max=MAX_KV_PARTS,
+            help="Move the KV cache as this many parts, pipelined (1: one publish, one hydrate).",
+        ),
+    ] = DEFAULT_KV_PARTS,
     deadline: DeadlineOpt = 30.0,
     key: KeyOpt = None,
     state_dir: StateDirOpt = None,
@@ -42,5 +53,6 @@ def command(
             ttl_s=ttl,
             deadline_ms=int(deadline * 1000),
             idempotency_key=key,
+            parts=parts,
         )
     emit(as_json, result, human(result))

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tensorcast.adaptors import InstanceAdaptor, InstanceLoad, KVExport, RequestStat
+from tensorcast.buffer_pool import BufferPool
 from tensorcast.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -66,6 +67,9 @@ MAX_WAITING = 4096  # requests queued before new ones are refused (ResourceExhau
 MAX_SESSIONS = 65536  # session records kept; the least recently active are forgotten first
 PAGE_BYTES_TARGET = 256 * 1024  # blocks are grouped into pages of about this size on export
 KEY_BYTES = 16
+MAX_STAGED = 16  # requests whose KV import is waiting for more parts (see PartStaging)
+STAGED_TTL_S = 60.0  # a part waits this long for the rest of its request
+EXPORT_BUFFERS_KEPT_BYTES = 256 << 20  # idle export page buffers kept for the next export
 
 
 @dataclass(frozen=True)
@@ -293,6 +297,69 @@ class PrefixCache:
         return self.drop(list(self._blocks))
 
 
+def _part_pages(pages: int, part: int, parts: int) -> tuple[int, int]:
+    """The page range [first, last) of part `part` of `parts`: contiguous, as even as can be."""
+    return pages * part // parts, pages * (part + 1) // parts
+
+
+@dataclass
+class _Staged:
+    parts: int
+    tokens: list[int]
+    buffers: dict[int, list[bytearray]]  # part -> its blocks' buffers, filled and checked
+    expires: float
+
+
+class PartStaging:
+    """Parts of KV imports waiting for the rest of their request. Bounded: at most
+    MAX_STAGED requests, each dropped STAGED_TTL_S after its last part arrived (a migration
+    that failed half-way must not hold block buffers for ever). Guarded by the engine's lock."""
+
+    def __init__(self) -> None:
+        self._staged: dict[str, _Staged] = {}
+
+    def add(
+        self,
+        req_id: str,
+        part: int,
+        parts: int,
+        tokens: list[int],
+        buffers: list[bytearray],
+        release: Any,
+    ) -> list[bytearray] | None:
+        """File a part; all the request's buffers in block order once every part is in."""
+        now = time.monotonic()
+        for stale in [r for r, s in self._staged.items() if s.expires < now]:
+            self.drop(stale, release)
+        staged = self._staged.get(req_id)
+        if staged is not None and (staged.parts != parts or staged.tokens != tokens):
+            self.drop(req_id, release)  # parts of another attempt (or another context): restart
+            staged = None
+        if staged is None:
+            if len(self._staged) >= MAX_STAGED:
+                for buffer in buffers:
+                    release(buffer)
+                raise ResourceExhausted(f"{MAX_STAGED} KV imports are waiting for parts already")
+            staged = self._staged[req_id] = _Staged(parts, tokens, {}, 0.0)
+        for buffer in staged.buffers.pop(part, []):  # a part sent again replaces its copy
+            release(buffer)
+        staged.buffers[part] = buffers
+        staged.expires = now + STAGED_TTL_S
+        if len(staged.buffers) < parts:
+            return None
+        del self._staged[req_id]
+        return [b for p in range(parts) for b in staged.buffers[p]]
+
+    def drop(self, req_id: str, release: Any) -> bool:
+        staged = self._staged.pop(req_id, None)
+        if staged is None:
+            return False
+        for buffers in staged.buffers.values():
+            for buffer in buffers:
+                release(buffer)
+        return True
+
+
 @dataclass
 class Job:
     """One generation request inside the engine; handler threads wait on its events."""
@@ -379,6 +446,8 @@ class SimEngine(InstanceAdaptor):
         self._arrived = False
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._owners: dict[bytes, int] = {}  # block -> sessions whose context holds it
+        self._staging = PartStaging()  # parts of imports not complete yet
+        self._export_buffers = BufferPool(EXPORT_BUFFERS_KEPT_BYTES)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
         self.counters = {
@@ -704,9 +773,14 @@ class SimEngine(InstanceAdaptor):
             return sorted(stats, key=lambda s: s.req_id)
 
     def export_kv(self, req_id: str) -> KVExport:
+        return self.export_kv_part(req_id, 0, 1)
+
+    def export_kv_part(self, req_id: str, part: int, parts: int) -> KVExport:
         import torch
 
         c = self.config
+        if not 0 <= part < parts:
+            raise InvalidArgument(f"part must be in [0, {parts}), not {part}")
         with self._cv:
             record = self._sessions.get(req_id)
             if record is None or not record.keys or record.keys[0] not in self.cache:
@@ -714,21 +788,27 @@ class SimEngine(InstanceAdaptor):
             if record.busy:
                 raise Unavailable(f"session {req_id!r} is running a turn: retry when it ends")
             blocks = self.cache.match(record.keys)
-            held = record.keys[:blocks]
+            per_page = max(1, PAGE_BYTES_TARGET // c.block_bytes)
+            first, last = _part_pages(-(-blocks // per_page), part, parts)
+            held = record.keys[first * per_page : min(blocks, last * per_page)]
             self.cache.lock(held)  # their buffers stay put while copied out of the lock
             datas = [self.cache.get(k) for k in held]
             tokens = list(record.tokens)
             migrations = record.migrations
+        size = c.block_bytes
+        starts = range(0, len(held), per_page)
+        chunks = self._export_buffers.take([min(per_page, len(held) - s) * size for s in starts])
         try:
-            per_page = max(1, PAGE_BYTES_TARGET // c.block_bytes)
             pages: dict[str, Any] = {}
-            for i, start in enumerate(range(0, blocks, per_page)):
-                chunk = bytearray().join(datas[start : start + per_page])  # type: ignore[arg-type]
+            for i, start, chunk in zip(range(first, last), starts, chunks):
+                for j, data in enumerate(datas[start : start + per_page]):
+                    assert data is not None  # locked: still cached
+                    chunk[j * size : (j + 1) * size] = data
                 pages[f"p{i}"] = torch.frombuffer(chunk, dtype=torch.uint8)
         finally:
             with self._cv:
                 self.cache.unlock(held)
-        self.counters["exported_bytes"] += blocks * c.block_bytes
+        self.counters["exported_bytes"] += len(held) * c.block_bytes
         meta = {
             "format": META_FORMAT,
             "engine": ENGINE,
@@ -739,13 +819,69 @@ class SimEngine(InstanceAdaptor):
             "kv_bytes_per_token": c.kv_bytes_per_token,
             "migrations": migrations,
         }
-        return KVExport(pages=pages, meta=meta)
+        return KVExport(pages, meta, release=lambda: self._export_buffers.give(chunks))
 
     def import_kv(self, req_id: str, export: KVExport) -> None:
+        self.import_kv_part(req_id, 0, 1, export)
+
+    def import_kv_part(self, req_id: str, part: int, parts: int, export: KVExport | None) -> bool:
+        """Copy and check the part's blocks outside the lock; park them until every part of
+        the attempt is in, then make the session resident from all of them at once."""
+        c = self.config
+        if not 0 <= part < parts:
+            raise InvalidArgument(f"part must be in [0, {parts}), not {part}")
+        if export is None:
+            raise InvalidArgument(f"part {part} of {parts} of {req_id!r} carries no KV pages")
+        tokens, keys, blocks, per_page, migrations = self._check_meta(export)
+        first, last = _part_pages(-(-blocks // per_page), part, parts)
+        names = [f"p{i}" for i in range(first, last)]
+        if not isinstance(export.pages, dict) or sorted(export.pages) != sorted(names):
+            where = "" if parts == 1 else f" of part {part} of {parts}"
+            raise InvalidArgument(
+                f"KV pages{where} must be exactly {names[:3]}..., got {sorted(export.pages)[:3]}..."
+            )
+        size = c.block_bytes
+        datas: list[memoryview] = []
+        for i, name in zip(range(first, last), names):
+            raw = _byte_view(export.pages[name])
+            count = min(per_page, blocks - i * per_page)
+            if len(raw) != count * size:
+                raise InvalidArgument(f"page {name} has {len(raw)} bytes, expected {count * size}")
+            datas.extend(raw[j * size : (j + 1) * size] for j in range(count))
+        with self._cv:
+            self._check_absent(req_id)
+            buffers = self.cache.take_buffers(len(datas))
+        try:
+            for key, data, buffer in zip(keys[first * per_page :], datas, buffers):
+                buffer[:] = data
+                if buffer != block_data(key, size):
+                    raise IntegrityError(
+                        f"a KV block of session {req_id!r} does not match its tokens"
+                    )
+        except BaseException:
+            with self._cv:
+                for buffer in buffers:
+                    self.cache.release(buffer)
+            raise
+        self.counters["imported_bytes"] += len(datas) * size
+        with self._cv:
+            done = self._staging.add(req_id, part, parts, tokens, buffers, self.cache.release)
+        if done is None:
+            return False
+        try:
+            self._make_resident(req_id, tokens, keys, done, migrations)
+        except BaseException:
+            with self._cv:
+                for buffer in done:
+                    self.cache.release(buffer)
+            raise
+        return True
+
+    def _check_meta(self, export: KVExport) -> tuple[list[int], list[bytes], int, int, int]:
         c = self.config
         meta = export.meta
-        if not isinstance(meta, dict) or not isinstance(export.pages, dict):
-            raise InvalidArgument("a KV export needs a dict of pages and a meta dict")
+        if not isinstance(meta, dict):
+            raise InvalidArgument("a KV export needs a meta dict")
         for name, needed in (
             ("format", META_FORMAT),
             ("engine", ENGINE),
@@ -773,35 +909,12 @@ class SimEngine(InstanceAdaptor):
         migrations = meta.get("migrations", 0)
         if not _is_int(migrations) or migrations < 0:
             raise InvalidArgument("meta 'migrations' must be an int >= 0")
-        names = [f"p{i}" for i in range(-(-blocks // per_page))]
-        if sorted(export.pages) != sorted(names):
-            raise InvalidArgument(
-                f"KV pages must be exactly {names[:3]}..., got {sorted(export.pages)[:3]}..."
-            )
-        size = c.block_bytes
-        datas: list[memoryview] = []
-        for i, name in enumerate(names):
-            raw = _byte_view(export.pages[name])
-            count = min(per_page, blocks - i * per_page)
-            if len(raw) != count * size:
-                raise InvalidArgument(f"page {name} has {len(raw)} bytes, expected {count * size}")
-            datas.extend(raw[j * size : (j + 1) * size] for j in range(count))
-        with self._cv:
-            buffers = self.cache.take_buffers(blocks)
-        try:
-            for key, data, buffer in zip(keys, datas, buffers):
-                buffer[:] = data
-                if buffer != block_data(key, size):
-                    raise IntegrityError(
-                        f"a KV block of session {req_id!r} does not match its tokens"
-                    )
-            self._make_resident(req_id, tokens, keys, buffers, migrations)
-        except BaseException:
-            with self._cv:
-                for buffer in buffers:
-                    self.cache.release(buffer)
-            raise
-        self.counters["imported_bytes"] += blocks * size
+        return tokens, keys, blocks, per_page, migrations
+
+    def _check_absent(self, req_id: str) -> None:
+        record = self._sessions.get(req_id)
+        if record is not None and (record.busy or (record.keys and record.keys[0] in self.cache)):
+            raise AlreadyExists(f"session {req_id!r} is resident here: evict it first")
 
     def _make_resident(
         self,
@@ -812,11 +925,8 @@ class SimEngine(InstanceAdaptor):
         migrations: int,
     ) -> None:
         with self._cv:
+            self._check_absent(req_id)
             record = self._sessions.get(req_id)
-            if record is not None and (
-                record.busy or (record.keys and record.keys[0] in self.cache)
-            ):
-                raise AlreadyExists(f"session {req_id!r} is resident here: evict it first")
             for key, buffer in zip(keys, buffers):
                 self.cache.adopt(key, buffer, room_for=self._reserved_blocks)
             self.cache.touch(keys[: len(buffers)])
@@ -831,6 +941,7 @@ class SimEngine(InstanceAdaptor):
     def evict(self, req_id: str) -> bool:
         """Forget the session and drop its blocks that no other session's context holds."""
         with self._cv:
+            self._staging.drop(req_id, self.cache.release)  # a half-imported migration too
             record = self._sessions.get(req_id)
             if record is None:
                 return False

@@ -172,13 +172,14 @@ class Rebalancer:
 def summarize(plan: dict) -> dict:
     """What an operator needs from a migration plan's result: status, bytes, time, steps."""
     steps = plan.get("steps", [])
-    published: dict = next((s for s in steps if s.get("op") == "publish"), {})
     return {
         "status": plan.get("status", "?"),
         "trace_id": plan.get("trace_id", ""),
         "replayed": bool(plan.get("replayed")),
         "duration_s": plan.get("duration_s", 0.0),
-        "bytes": int((published.get("result") or {}).get("bytes", 0)),
+        "bytes": sum(
+            int((s.get("result") or {}).get("bytes", 0)) for s in steps if s.get("op") == "publish"
+        ),
         "steps": [
             {"op": s.get("op"), "status": s.get("status"), "bytes": s.get("bytes", 0)}
             for s in steps

@@ -324,8 +324,10 @@ class Router:
             partial = getattr(e, "result", None) or {}
             entry.update(summarize(partial) if partial else {})
             entry.update(status="failed", error=f"{type(e).__name__}: {e}")
-            moved = any(
-                s.get("op") == "hydrate" and s.get("status") == "ok"
+            moved = any(  # the hydrate that made the session resident there (its last part)
+                s.get("op") == "hydrate"
+                and s.get("status") == "ok"
+                and (s.get("result") or {}).get("resident")
                 for s in partial.get("steps", [])
             )
         except Exception as e:  # never leave the session stuck as migrating

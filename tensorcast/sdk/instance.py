@@ -6,6 +6,11 @@ A request's KV cache is published as pages `kv/{req_id}/{page}` plus a manifest 
 `kv/{req_id}/manifest` (JSON: the adaptor's meta and every page's reference), all caller-leased
 with a TTL. Hydrate reads the manifest, takes pages from the local worker's cache first (a
 prefetch put them there) and the rest from their shard homes, checks every hash, and imports.
+
+Publish and hydrate also work in parts (`part` of `parts`, each with its own manifest
+`kv/{req_id}/manifest-{part}-of-{parts}`): a migration that streams moves part 0 across while
+the source exports part 1. Engines that cannot cut their export send it all as part 0
+(`InstanceAdaptor.export_kv_part`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tensorcast import errors
+from tensorcast.adaptors import MAX_KV_PARTS
+from tensorcast.buffer_pool import BufferPool
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.sdk.pages import PageRef
 
@@ -32,10 +39,27 @@ log = logging.getLogger("tensorcast.instance")
 MAX_OPS_IN_FLIGHT = 4
 MAX_OUTGOING = 256
 RECONNECT_MAX_S = 2.0
+RECEIVE_BUFFERS_KEPT_BYTES = 256 << 20  # idle page buffers kept for the next hydrate
 
 
-def manifest_key(req_id: str) -> str:
-    return f"kv/{req_id}/manifest"
+def manifest_key(req_id: str, part: int = 0, parts: int = 1) -> str:
+    """A whole publish's manifest, or one part's (a migration that streams publishes parts)."""
+    if parts == 1:
+        return f"kv/{req_id}/manifest"
+    return f"kv/{req_id}/manifest-{part}-of-{parts}"
+
+
+def _check_part(part: object, parts: object) -> None:
+    if (
+        not isinstance(parts, int)
+        or not isinstance(part, int)
+        or not 1 <= parts <= MAX_KV_PARTS
+        or not 0 <= part < parts
+    ):
+        raise errors.InvalidArgument(
+            f"part must be in [0, parts) and parts in [1, {MAX_KV_PARTS}], "
+            f"not {part!r} of {parts!r}"
+        )
 
 
 class InstanceRuntime:
@@ -56,6 +80,7 @@ class InstanceRuntime:
         self.endpoint = endpoint
         self.load_interval_s = load_interval_s
         self.published: dict[str, dict] = {}
+        self._received = BufferPool(RECEIVE_BUFFERS_KEPT_BYTES)  # hydrate reads pages into these
         self._closed = threading.Event()
         self._attached = threading.Event()
         self._ops = ThreadPoolExecutor(MAX_OPS_IN_FLIGHT, thread_name_prefix="instance-op")
@@ -160,34 +185,47 @@ class InstanceRuntime:
 
     # -- instance operations -------------------------------------------------------------------
 
-    def op_publish(self, req_id: str, ttl_s: float = 600.0) -> dict:
-        export = self.adaptor.export_kv(req_id)
-        names = list(export.pages)
+    def op_publish(self, req_id: str, ttl_s: float = 600.0, part: int = 0, parts: int = 1) -> dict:
+        _check_part(part, parts)
+        export = self.adaptor.export_kv_part(req_id, part, parts)
+        exported = export.pages if export is not None else {}
+        names = list(exported)
         pages = self.rt.pages()
-        refs = pages.put_pages({f"kv/{req_id}/{n}": export.pages[n] for n in names}, ttl_s)
+        try:
+            refs = pages.put_pages({f"kv/{req_id}/{n}": exported[n] for n in names}, ttl_s)
+        finally:
+            if export is not None and export.release is not None:
+                export.release()
+        listed = [dict(r.to_json(), name=n) for n, r in zip(names, refs)]
         manifest = {
             "req_id": req_id,
             "instance_id": self.instance_id,
-            "meta": export.meta,
-            "pages": [dict(r.to_json(), name=n) for n, r in zip(names, refs)],
+            "part": part,
+            "parts": parts,
+            "meta": export.meta if export is not None else None,
+            "pages": listed,
         }
-        (mref,) = pages.put_pages({manifest_key(req_id): json.dumps(manifest).encode()}, ttl_s)
+        (mref,) = pages.put_pages(
+            {manifest_key(req_id, part, parts): json.dumps(manifest).encode()}, ttl_s
+        )
         result = {
             "req_id": req_id,
-            "pages": [mref.to_json(), *manifest["pages"]],
+            "pages": [mref.to_json(), *listed],
             "bytes": sum(r.size_bytes for r in refs) + mref.size_bytes,
         }
-        self.published[req_id] = result
+        if parts == 1:
+            self.published[req_id] = result
         return result
 
     def op_manifest(self, req_id: str) -> dict:
         if req_id in self.published:
             return self.published[req_id]
-        manifest, mref = self._read_manifest(req_id, None)
+        manifest, mref = self._read_manifest(req_id, None, manifest_key(req_id))
         return {"req_id": req_id, "pages": [mref.to_json(), *manifest["pages"]], "bytes": 0}
 
-    def _read_manifest(self, req_id: str, artifacts: list[dict] | None) -> tuple[dict, PageRef]:
-        key = manifest_key(req_id)
+    def _read_manifest(
+        self, req_id: str, artifacts: list[dict] | None, key: str
+    ) -> tuple[dict, PageRef]:
         wanted: str | PageRef = key
         for item in artifacts or []:
             if isinstance(item, dict) and item.get("key") == key:
@@ -201,26 +239,40 @@ class InstanceRuntime:
         manifest = json.loads(bytes(page.data))
         return manifest, self.rt.pages().ref_of(page)
 
-    def op_hydrate(self, req_id: str, artifacts: list[dict] | None = None) -> dict:
+    def op_hydrate(
+        self, req_id: str, artifacts: list[dict] | None = None, part: int = 0, parts: int = 1
+    ) -> dict:
         from tensorcast.adaptors import KVExport
 
-        manifest, _ = self._read_manifest(req_id, artifacts)
+        _check_part(part, parts)
+        manifest, _ = self._read_manifest(req_id, artifacts, manifest_key(req_id, part, parts))
         refs = [PageRef.from_json(p) for p in manifest["pages"]]
-        found = self.rt.pages().get_pages(refs, cache=self.worker)
-        missing = [r.key for r, p in zip(refs, found) if p is None]
-        if missing:
-            raise errors.NotFound(
-                f"{len(missing)} KV pages of {req_id!r} are gone (first: {missing[0]}): "
-                "their lease expired or their shard home died; publish again or recompute"
-            )
-        tensors = {}
-        for spec, page in zip(manifest["pages"], found):
-            assert page is not None
-            if page.dtype != spec["dtype"] or list(page.shape) != list(spec["shape"]):
-                raise errors.IntegrityError(f"page {spec['key']} does not match its manifest")
-            tensors[spec["name"]] = page.tensor()
-        self.adaptor.import_kv(req_id, KVExport(tensors, manifest["meta"]))
-        return {"req_id": req_id, "pages": len(refs), "bytes": sum(r.size_bytes for r in refs)}
+        buffers = self._received.take([r.size_bytes for r in refs])
+        try:
+            found = self.rt.pages().get_pages(refs, cache=self.worker, into=buffers)
+            missing = [r.key for r, p in zip(refs, found) if p is None]
+            if missing:
+                raise errors.NotFound(
+                    f"{len(missing)} KV pages of {req_id!r} are gone (first: {missing[0]}): "
+                    "their lease expired or their shard home died; publish again or recompute"
+                )
+            tensors = {}
+            for spec, page in zip(manifest["pages"], found):
+                assert page is not None
+                if page.dtype != spec["dtype"] or list(page.shape) != list(spec["shape"]):
+                    raise errors.IntegrityError(f"page {spec['key']} does not match its manifest")
+                tensors[spec["name"]] = page.tensor()
+            meta = manifest.get("meta")
+            export = KVExport(tensors, meta) if meta is not None else None
+            resident = self.adaptor.import_kv_part(req_id, part, parts, export)
+        finally:
+            self._received.give(buffers)  # the adaptor copied what it keeps
+        return {
+            "req_id": req_id,
+            "pages": len(refs),
+            "bytes": sum(r.size_bytes for r in refs),
+            "resident": resident,
+        }
 
     def op_evict(self, req_id: str) -> dict:
         self.published.pop(req_id, None)
