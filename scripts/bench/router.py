@@ -539,6 +539,7 @@ def plot(summary: list[dict], out_dir: Path) -> list[str]:
 
     presets = sorted({s["preset"] for s in summary}, key=list(COMPRESSION).index)
     routers = [r for r in ALL_ROUTERS if any(s["router"] == r for s in summary)]
+    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for metric, ylabel, name in (
         ("ttft_p50_ms", "TTFT p50 (ms, compressed time)", "router-ttft.png"),
