@@ -15,11 +15,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tensorcast.errors import InvalidArgument
+
 if TYPE_CHECKING:
     import torch
 
 MAX_KV_PARTS = 64  # a migration cuts a request's KV cache into at most this many parts
 DEFAULT_KV_PARTS = 4  # parts per migration (tc migrate --parts; routers)
+
+
+def check_part(part: object, parts: object) -> None:
+    """InvalidArgument unless `part` of `parts` names a part of a migration in parts."""
+    if (
+        not isinstance(parts, int)
+        or not isinstance(part, int)
+        or not 1 <= parts <= MAX_KV_PARTS
+        or not 0 <= part < parts
+    ):
+        raise InvalidArgument(
+            f"part must be in [0, parts) and parts in [1, {MAX_KV_PARTS}], "
+            f"not {part!r} of {parts!r}"
+        )
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tensorcast.adaptors import InstanceAdaptor, InstanceLoad, KVExport, RequestStat
+from tensorcast.adaptors import InstanceAdaptor, InstanceLoad, KVExport, RequestStat, check_part
 from tensorcast.buffer_pool import BufferPool
 from tensorcast.errors import (
     AlreadyExists,
@@ -779,8 +779,7 @@ class SimEngine(InstanceAdaptor):
         import torch
 
         c = self.config
-        if not 0 <= part < parts:
-            raise InvalidArgument(f"part must be in [0, {parts}), not {part}")
+        check_part(part, parts)
         with self._cv:
             record = self._sessions.get(req_id)
             if record is None or not record.keys or record.keys[0] not in self.cache:
@@ -828,8 +827,7 @@ class SimEngine(InstanceAdaptor):
         """Copy and check the part's blocks outside the lock; park them until every part of
         the attempt is in, then make the session resident from all of them at once."""
         c = self.config
-        if not 0 <= part < parts:
-            raise InvalidArgument(f"part must be in [0, {parts}), not {part}")
+        check_part(part, parts)
         if export is None:
             raise InvalidArgument(f"part {part} of {parts} of {req_id!r} carries no KV pages")
         tokens, keys, blocks, per_page, migrations = self._check_meta(export)

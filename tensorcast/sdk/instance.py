@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tensorcast import errors
-from tensorcast.adaptors import MAX_KV_PARTS
+from tensorcast.adaptors import KVExport, check_part
 from tensorcast.buffer_pool import BufferPool
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.sdk.pages import PageRef
@@ -47,19 +47,6 @@ def manifest_key(req_id: str, part: int = 0, parts: int = 1) -> str:
     if parts == 1:
         return f"kv/{req_id}/manifest"
     return f"kv/{req_id}/manifest-{part}-of-{parts}"
-
-
-def _check_part(part: object, parts: object) -> None:
-    if (
-        not isinstance(parts, int)
-        or not isinstance(part, int)
-        or not 1 <= parts <= MAX_KV_PARTS
-        or not 0 <= part < parts
-    ):
-        raise errors.InvalidArgument(
-            f"part must be in [0, parts) and parts in [1, {MAX_KV_PARTS}], "
-            f"not {part!r} of {parts!r}"
-        )
 
 
 class InstanceRuntime:
@@ -186,7 +173,7 @@ class InstanceRuntime:
     # -- instance operations -------------------------------------------------------------------
 
     def op_publish(self, req_id: str, ttl_s: float = 600.0, part: int = 0, parts: int = 1) -> dict:
-        _check_part(part, parts)
+        check_part(part, parts)
         export = self.adaptor.export_kv_part(req_id, part, parts)
         exported = export.pages if export is not None else {}
         names = list(exported)
@@ -200,8 +187,6 @@ class InstanceRuntime:
         manifest = {
             "req_id": req_id,
             "instance_id": self.instance_id,
-            "part": part,
-            "parts": parts,
             "meta": export.meta if export is not None else None,
             "pages": listed,
         }
@@ -242,9 +227,7 @@ class InstanceRuntime:
     def op_hydrate(
         self, req_id: str, artifacts: list[dict] | None = None, part: int = 0, parts: int = 1
     ) -> dict:
-        from tensorcast.adaptors import KVExport
-
-        _check_part(part, parts)
+        check_part(part, parts)
         manifest, _ = self._read_manifest(req_id, artifacts, manifest_key(req_id, part, parts))
         refs = [PageRef.from_json(p) for p in manifest["pages"]]
         buffers = self._received.take([r.size_bytes for r in refs])
