@@ -8,8 +8,10 @@ import http.client
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
+import torch
 from conftest import wait_until
 
 from tensorcast.adaptors import KVExport
@@ -47,6 +49,16 @@ def engine():
     e = SimEngine(FAST).start()
     yield e
     e.close()
+
+
+@contextmanager
+def two_engines(config: SimConfig):
+    a, b = SimEngine(config).start(), SimEngine(config).start()
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 def run(engine: SimEngine, tokens, n=4, session="s"):
@@ -128,8 +140,7 @@ def test_an_export_is_a_copy_that_outlives_the_blocks_it_came_from():
 
 
 def test_a_released_export_lends_its_memory_to_the_next_export():
-    a, b = SimEngine(PAGED).start(), SimEngine(PAGED).start()
-    try:
+    with two_engines(FAST) as (a, b):  # pages of many blocks: copies
         run(a, context(11, 100), session="one")
         run(a, context(12, 100), session="two")
         first = a.export_kv("one")
@@ -141,9 +152,72 @@ def test_a_released_export_lends_its_memory_to_the_next_export():
         assert {p.data_ptr() for p in second.pages.values()} <= memory
         b.import_kv("two", second)  # every block checked against its tokens: no stale bytes
         assert sorted(b.load().requests) == ["one", "two"]
-    finally:
-        a.close()
-        b.close()
+
+
+def test_an_export_of_one_block_pages_lends_the_blocks_until_released():
+    with two_engines(PAGED) as (a, b):
+        run(a, context(13, 100), session="one")
+        export = a.export_kv("one")
+        blocks = export.meta["blocks"]
+        keys = a._sessions["one"].keys[:blocks]
+        # No copy: each page is the engine's own block buffer.
+        assert [p.data_ptr() for p in export.pages.values()] == [
+            torch.frombuffer(a.cache.get(k), dtype=torch.uint8).data_ptr() for k in keys
+        ]
+        before = {name: bytes(page.numpy()) for name, page in export.pages.items()}
+        a.evict("one")
+        assert a.flush() == 0 and len(a.cache) == blocks  # lent blocks are locked: kept
+        run(a, context(14, 100), session="two")  # new blocks go elsewhere
+        assert {name: bytes(page.numpy()) for name, page in export.pages.items()} == before
+        b.import_kv("one", export)
+        assert export.release is not None
+        export.release()
+        export.release()  # once is what counts
+        assert a.cache.locked_blocks == 0
+        a.evict("two")
+        a.flush()
+        assert len(a.cache) == 0  # released: evictable again
+        assert b.load().requests == ("one",)
+
+
+def test_an_import_keeps_the_block_buffers_it_lent_without_a_copy():
+    with two_engines(PAGED) as (a, b):
+        run(a, context(15, 100), session="s")
+        export = a.export_kv_part("s", 0, 2)
+        lent = b.import_buffers("s", 0, 2, export.meta)
+        assert lent is not None and sorted(lent.pages) == sorted(export.pages)
+        for name, page in export.pages.items():
+            lent.pages[name].copy_(page)  # what hydrate's read does
+        pages = dict(lent.pages)
+        page = next(iter(pages))
+        pages[page] = export.pages[page].clone()  # one page not lent: copied as before
+        assert b.import_kv_part("s", 0, 2, KVExport(pages, export.meta)) is False
+        assert lent.release is not None
+        lent.release()  # the kept buffers stay kept; the one the import did not use goes back
+        kept = b.counters["imported_in_place_bytes"]
+        assert kept == (len(pages) - 1) * PAGED.block_bytes
+        assert b.counters["imported_bytes"] == len(pages) * PAGED.block_bytes
+        rest = a.export_kv_part("s", 1, 2)
+        assert b.import_kv_part("s", 1, 2, rest) is True
+        assert b.load().requests == ("s",)
+        # Lent and never imported (a read that failed): all of them go back to the cache.
+        spare = len(b.cache._spare)
+        unused = b.import_buffers("x", 0, 1, export.meta)
+        assert unused is not None and unused.release is not None
+        unused.release()
+        assert len(b.cache._spare) == spare + len(unused.pages) and b._lent == {}
+        # A corrupt lent page is refused like any other, and its buffer goes back.
+        whole = a.export_kv("s")
+        bad = b.import_buffers("y", 0, 1, whole.meta)
+        assert bad is not None
+        for name, p in whole.pages.items():
+            bad.pages[name].copy_(p)
+        bad.pages["p3"][7] ^= 0xFF
+        with pytest.raises(IntegrityError):
+            b.import_kv_part("y", 0, 1, KVExport(dict(bad.pages), bad.meta))
+        assert bad.release is not None
+        bad.release()
+        assert b._lent == {} and "y" not in b.load().requests
 
 
 def test_time_to_first_token_is_at_least_the_modelled_prefill():
@@ -163,8 +237,7 @@ def test_time_to_first_token_is_at_least_the_modelled_prefill():
 
 
 def test_export_import_moves_real_bytes_and_the_next_turn_hits():
-    a, b = SimEngine(FAST).start(), SimEngine(FAST).start()
-    try:
+    with two_engines(FAST) as (a, b):
         first = run(a, context(3, 150), session="sess")
         export = a.export_kv("sess")
         blocks = export.meta["blocks"]
@@ -188,9 +261,6 @@ def test_export_import_moves_real_bytes_and_the_next_turn_hits():
         assert a.evict("sess") is False
         with pytest.raises(NotFound):
             a.export_kv("sess")
-    finally:
-        a.close()
-        b.close()
 
 
 def test_import_rejects_bad_exports(engine):
@@ -215,8 +285,7 @@ def test_import_rejects_bad_exports(engine):
 
 
 def test_an_export_in_parts_imports_in_any_order_and_is_resident_only_when_complete():
-    a, b = SimEngine(PAGED).start(), SimEngine(PAGED).start()
-    try:
+    with two_engines(PAGED) as (a, b):
         first = run(a, context(8, 150), session="sess")
         whole = a.export_kv("sess")
         parts = [a.export_kv_part("sess", k, 3) for k in range(3)]
@@ -240,16 +309,12 @@ def test_an_export_in_parts_imports_in_any_order_and_is_resident_only_when_compl
             a.export_kv_part("sess", 3, 3)
         with pytest.raises(InvalidArgument, match="part 1 of 3 must be exactly"):
             b.import_kv_part("other", 1, 3, parts[0])  # part 0's pages sent as part 1
-    finally:
-        a.close()
-        b.close()
 
 
 def test_parts_of_an_unfinished_import_never_hold_buffers_for_ever(monkeypatch):
     import tensorcast.engine.sim as sim
 
-    a, b = SimEngine(PAGED).start(), SimEngine(PAGED).start()
-    try:
+    with two_engines(PAGED) as (a, b):
         run(a, context(9, 150), session="s")
         parts = [a.export_kv_part("s", k, 2) for k in range(2)]
         assert b.import_kv_part("s", 0, 2, parts[0]) is False
@@ -274,9 +339,6 @@ def test_parts_of_an_unfinished_import_never_hold_buffers_for_ever(monkeypatch):
         with pytest.raises(ResourceExhausted):
             b.import_kv_part("s", 0, 2, parts[0])
         assert b.load().requests == ()
-    finally:
-        a.close()
-        b.close()
 
 
 def test_bad_requests_and_config():
@@ -480,6 +542,7 @@ def test_migrate_a_sim_session_moves_its_kv_bytes(cluster, sims, parts):
     a, b = sims["sim-a"], sims["sim-b"]
     session = f"mig-{parts}"
     first = sglang_generate(a, session, context(21 + parts, 200))
+    in_place = engine_request(b, "GET", "/server_info")["counters"]["imported_in_place_bytes"]
     proc = cluster.tc(
         "migrate", session, "--from", "sim-a", "--to", "sim-b", "--parts", str(parts), "--json"
     )
@@ -496,6 +559,9 @@ def test_migrate_a_sim_session_moves_its_kv_bytes(cluster, sims, parts):
     assert all(r["pages"] > 1 for r in hydrated)  # a third of the blocks each
     assert sum(r["bytes"] for r in hydrated) == blocks * 8 * 32768
     assert [r["resident"] for r in hydrated].count(True) == 1  # resident once, when complete
+    # Hydrate read every page straight into the target's block buffers: no copy on import.
+    counters = engine_request(b, "GET", "/server_info")["counters"]
+    assert counters["imported_in_place_bytes"] - in_place == blocks * 8 * 32768
     nxt = sglang_generate(b, session, context(21 + parts, 200) + first["output_ids"] + [3] * 10)
     assert nxt["meta_info"]["cached_tokens"] == blocks * 8
     assert engine_request(a, "GET", "/requests")["requests"] == []  # evicted from the source

@@ -72,15 +72,16 @@ class RequestStat:
 class KVExport:
     """One request's KV cache as pages plus what an importer needs to rebuild it.
 
-    Every page is a contiguous CPU tensor the caller owns (a copy, never a view of engine memory),
-    holding at most `page_tokens` tokens of one layer's K or V. `meta` is JSON-serialisable so the
-    pages can travel as a safetensors file and the meta as JSON.
+    Every page is a contiguous CPU tensor holding at most `page_tokens` tokens of one layer's K
+    or V: a copy the caller owns, or (when `release` is set) memory the adaptor keeps unchanged
+    until the caller calls `release`. `meta` is JSON-serialisable so the pages can travel as a
+    safetensors file and the meta as JSON.
     """
 
     pages: dict[str, torch.Tensor]
     meta: dict[str, Any]
-    # Called (optionally) by the caller once it is done with the pages, so that the adaptor
-    # may reuse their memory for the next export; never called while the pages are in use.
+    # When set, the caller must call it once it is done with the pages (never while they are in
+    # use): the adaptor then reuses their memory, or unpins the engine blocks they view.
     release: Callable[[], None] | None = None
 
 
@@ -104,7 +105,7 @@ class InstanceAdaptor(ABC):
         Validates everything first: InvalidArgument for pages that do not fit the model (layers,
         shapes, dtype, missing or extra pages); AlreadyExists if `req_id` is already resident.
         The pages' memory is the caller's again once this returns (it reuses it for the next
-        import): keep copies, never views of it.
+        import): keep copies, never views of it (pages lent by `import_buffers` excepted).
         """
 
     def export_kv_part(self, req_id: str, part: int, parts: int) -> KVExport | None:
@@ -114,6 +115,16 @@ class InstanceAdaptor(ABC):
         default returns the whole export as part 0 and None (nothing) for the others, so any
         engine migrates in parts, only without the overlap."""
         return self.export_kv(req_id) if part == 0 else None
+
+    def import_buffers(
+        self, req_id: str, part: int, parts: int, meta: dict[str, Any]
+    ) -> KVExport | None:
+        """Engine memory to read part `part`'s pages straight into before `import_kv_part`:
+        writable pages named and sized like the part's, lent until `release` (always called;
+        it takes back those an import did not keep). An import given these very pages keeps
+        them without a copy. None (the default): the caller reads into buffers of its own and
+        the import copies."""
+        return None
 
     def import_kv_part(self, req_id: str, part: int, parts: int, export: KVExport | None) -> bool:
         """Take part `part` of `parts` (in any order, each at most once per attempt; a part

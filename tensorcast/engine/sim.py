@@ -46,6 +46,7 @@ import uuid
 import zlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -448,6 +449,7 @@ class SimEngine(InstanceAdaptor):
         self._owners: dict[bytes, int] = {}  # block -> sessions whose context holds it
         self._staging = PartStaging()  # parts of imports not complete yet
         self._export_buffers = BufferPool(EXPORT_BUFFERS_KEPT_BYTES)
+        self._lent: dict[int, bytearray] = {}  # block buffers lent by import_buffers, by address
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sim-scheduler", daemon=True)
         self.counters = {
@@ -457,6 +459,7 @@ class SimEngine(InstanceAdaptor):
             "fetched_tokens": 0,
             "exported_bytes": 0,
             "imported_bytes": 0,
+            "imported_in_place_bytes": 0,  # read straight into lent block buffers (no copy)
             "store_get_s": 0.0,
         }
 
@@ -790,23 +793,10 @@ class SimEngine(InstanceAdaptor):
             per_page = max(1, PAGE_BYTES_TARGET // c.block_bytes)
             first, last = _part_pages(-(-blocks // per_page), part, parts)
             held = record.keys[first * per_page : min(blocks, last * per_page)]
-            self.cache.lock(held)  # their buffers stay put while copied out of the lock
+            self.cache.lock(held)  # their buffers stay put while read out of the lock
             datas = [self.cache.get(k) for k in held]
             tokens = list(record.tokens)
             migrations = record.migrations
-        size = c.block_bytes
-        starts = range(0, len(held), per_page)
-        chunks = self._export_buffers.take([min(per_page, len(held) - s) * size for s in starts])
-        try:
-            pages: dict[str, Any] = {}
-            for i, start, chunk in zip(range(first, last), starts, chunks):
-                for j, data in enumerate(datas[start : start + per_page]):
-                    assert data is not None  # locked: still cached
-                    chunk[j * size : (j + 1) * size] = data
-                pages[f"p{i}"] = torch.frombuffer(chunk, dtype=torch.uint8)
-        finally:
-            with self._cv:
-                self.cache.unlock(held)
         self.counters["exported_bytes"] += len(held) * c.block_bytes
         meta = {
             "format": META_FORMAT,
@@ -818,10 +808,67 @@ class SimEngine(InstanceAdaptor):
             "kv_bytes_per_token": c.kv_bytes_per_token,
             "migrations": migrations,
         }
+        if per_page == 1:  # a page is a block: lend the blocks themselves, locked until release
+            pages = {
+                f"p{i}": torch.frombuffer(d, dtype=torch.uint8)
+                for i, d in zip(range(first, last), datas)
+            }
+            return KVExport(pages, meta, release=self._unlocker(held))
+        size = c.block_bytes
+        starts = range(0, len(held), per_page)
+        chunks = self._export_buffers.take([min(per_page, len(held) - s) * size for s in starts])
+        try:
+            pages = {}
+            for i, start, chunk in zip(range(first, last), starts, chunks):
+                for j, data in enumerate(datas[start : start + per_page]):
+                    assert data is not None  # locked: still cached
+                    chunk[j * size : (j + 1) * size] = data
+                pages[f"p{i}"] = torch.frombuffer(chunk, dtype=torch.uint8)
+        finally:
+            with self._cv:
+                self.cache.unlock(held)
         return KVExport(pages, meta, release=lambda: self._export_buffers.give(chunks))
+
+    def _unlocker(self, keys: list[bytes]) -> Callable[[], None]:
+        """Unlocks `keys` once, however often it is called."""
+        pending = [keys]
+
+        def unlock() -> None:
+            with self._cv:
+                if pending:
+                    self.cache.unlock(pending.pop())
+
+        return unlock
 
     def import_kv(self, req_id: str, export: KVExport) -> None:
         self.import_kv_part(req_id, 0, 1, export)
+
+    def import_buffers(
+        self, req_id: str, part: int, parts: int, meta: dict[str, Any]
+    ) -> KVExport | None:
+        """Block buffers for the part's pages when a page is a block (the import then keeps
+        them: no copy); None when pages hold several blocks."""
+        import torch
+
+        check_part(part, parts)
+        _, _, blocks, per_page, _ = self._check_meta(meta)
+        if per_page != 1:
+            return None
+        first, last = _part_pages(blocks, part, parts)
+        with self._cv:
+            buffers = self.cache.take_buffers(last - first)
+            pages = {}
+            for i, buffer in zip(range(first, last), buffers):
+                pages[f"p{i}"] = page = torch.frombuffer(buffer, dtype=torch.uint8)
+                self._lent[page.data_ptr()] = buffer
+
+        def release() -> None:  # those no import kept
+            with self._cv:
+                for page, buffer in zip(pages.values(), buffers):
+                    if self._lent.pop(page.data_ptr(), None) is not None:
+                        self.cache.release(buffer)
+
+        return KVExport(pages, meta, release=release)
 
     def import_kv_part(self, req_id: str, part: int, parts: int, export: KVExport | None) -> bool:
         """Copy and check the part's blocks outside the lock; park them until every part of
@@ -830,7 +877,7 @@ class SimEngine(InstanceAdaptor):
         check_part(part, parts)
         if export is None:
             raise InvalidArgument(f"part {part} of {parts} of {req_id!r} carries no KV pages")
-        tokens, keys, blocks, per_page, migrations = self._check_meta(export)
+        tokens, keys, blocks, per_page, migrations = self._check_meta(export.meta)
         first, last = _part_pages(-(-blocks // per_page), part, parts)
         names = [f"p{i}" for i in range(first, last)]
         if not isinstance(export.pages, dict) or sorted(export.pages) != sorted(names):
@@ -848,10 +895,13 @@ class SimEngine(InstanceAdaptor):
             datas.extend(raw[j * size : (j + 1) * size] for j in range(count))
         with self._cv:
             self._check_absent(req_id)
-            buffers = self.cache.take_buffers(len(datas))
+            lent = [self._lent.pop(_address(d), None) for d in datas]  # filled in place
+            fresh = iter(self.cache.take_buffers(lent.count(None)))
+        buffers = [b if b is not None else next(fresh) for b in lent]
         try:
-            for key, data, buffer in zip(keys[first * per_page :], datas, buffers):
-                buffer[:] = data
+            for key, data, buffer, own in zip(keys[first * per_page :], datas, buffers, lent):
+                if own is None:
+                    buffer[:] = data
                 if buffer != block_data(key, size):
                     raise IntegrityError(
                         f"a KV block of session {req_id!r} does not match its tokens"
@@ -862,6 +912,7 @@ class SimEngine(InstanceAdaptor):
                     self.cache.release(buffer)
             raise
         self.counters["imported_bytes"] += len(datas) * size
+        self.counters["imported_in_place_bytes"] += (len(lent) - lent.count(None)) * size
         with self._cv:
             done = self._staging.add(req_id, part, parts, tokens, buffers, self.cache.release)
         if done is None:
@@ -875,9 +926,8 @@ class SimEngine(InstanceAdaptor):
             raise
         return True
 
-    def _check_meta(self, export: KVExport) -> tuple[list[int], list[bytes], int, int, int]:
+    def _check_meta(self, meta: Any) -> tuple[list[int], list[bytes], int, int, int]:
         c = self.config
-        meta = export.meta
         if not isinstance(meta, dict):
             raise InvalidArgument("a KV export needs a meta dict")
         for name, needed in (
@@ -984,6 +1034,15 @@ def _byte_view(page: Any) -> memoryview:
     if hasattr(page, "numpy") and hasattr(page, "dtype"):
         page = page.contiguous().view(-1).numpy()
     return memoryview(page).cast("B")
+
+
+def _address(view: memoryview) -> int:
+    """Where a buffer's bytes start (to recognise a block buffer lent by import_buffers)."""
+    import ctypes
+
+    if view.readonly or not view.nbytes:
+        return 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _is_int(value: Any) -> bool:

@@ -5,7 +5,8 @@ evict, transform_into) against the engine's `InstanceAdaptor`.
 A request's KV cache is published as pages `kv/{req_id}/{page}` plus a manifest page
 `kv/{req_id}/manifest` (JSON: the adaptor's meta and every page's reference), all caller-leased
 with a TTL. Hydrate reads the manifest, takes pages from the local worker's cache first (a
-prefetch put them there) and the rest from their shard homes, checks every hash, and imports.
+prefetch put them there) and the rest from their shard homes, checks every hash, and imports
+(reading straight into the engine's block buffers when it lends them: `import_buffers`).
 
 Publish and hydrate also work in parts (`part` of `parts`, each with its own manifest
 `kv/{req_id}/manifest-{part}-of-{parts}`): a migration that streams moves part 0 across while
@@ -230,9 +231,16 @@ class InstanceRuntime:
         check_part(part, parts)
         manifest, _ = self._read_manifest(req_id, artifacts, manifest_key(req_id, part, parts))
         refs = [PageRef.from_json(p) for p in manifest["pages"]]
-        buffers = self._received.take([r.size_bytes for r in refs])
+        meta = manifest.get("meta")
+        lent = self._engine_buffers(req_id, part, parts, meta, manifest["pages"], refs)
+        buffers = [] if lent is not None else self._received.take([r.size_bytes for r in refs])
+        into = (
+            [lent.pages[spec["name"]] for spec in manifest["pages"]]
+            if lent is not None
+            else buffers
+        )
         try:
-            found = self.rt.pages().get_pages(refs, cache=self.worker, into=buffers)
+            found = self.rt.pages().get_pages(refs, cache=self.worker, into=into)
             missing = [r.key for r, p in zip(refs, found) if p is None]
             if missing:
                 raise errors.NotFound(
@@ -245,17 +253,39 @@ class InstanceRuntime:
                 if page.dtype != spec["dtype"] or list(page.shape) != list(spec["shape"]):
                     raise errors.IntegrityError(f"page {spec['key']} does not match its manifest")
                 tensors[spec["name"]] = page.tensor()
-            meta = manifest.get("meta")
             export = KVExport(tensors, meta) if meta is not None else None
             resident = self.adaptor.import_kv_part(req_id, part, parts, export)
         finally:
-            self._received.give(buffers)  # the adaptor copied what it keeps
+            if lent is None:
+                self._received.give(buffers)  # the adaptor copied what it keeps
+            elif lent.release is not None:
+                lent.release()  # takes back the engine's buffers the import did not keep
         return {
             "req_id": req_id,
             "pages": len(refs),
             "bytes": sum(r.size_bytes for r in refs),
             "resident": resident,
         }
+
+    def _engine_buffers(
+        self, req_id: str, part: int, parts: int, meta: dict | None, specs: list, refs: list
+    ) -> KVExport | None:
+        """The engine's own memory to read the pages into, when it lends some that fit
+        (hydrate then skips a copy); None to read into the runtime's buffers."""
+        if meta is None:
+            return None
+        lent = self.adaptor.import_buffers(req_id, part, parts, meta)
+        if lent is None:
+            return None
+        fits = [
+            spec["name"] in lent.pages and lent.pages[spec["name"]].nbytes == ref.size_bytes
+            for spec, ref in zip(specs, refs)
+        ]
+        if len(lent.pages) == len(specs) and all(fits):
+            return lent
+        if lent.release is not None:
+            lent.release()
+        return None
 
     def op_evict(self, req_id: str) -> dict:
         self.published.pop(req_id, None)

@@ -280,6 +280,7 @@ class PlanExecutor:
             "op": step["op"],
             "target": step["target"],
             "worker": name,
+            "started_at": round(time.time(), 4),  # wall clock: to line steps up in a timeline
         }
         while True:
             remaining = deadline - time.monotonic()
