@@ -887,15 +887,19 @@ class SimEngine(InstanceAdaptor):
             )
         size = c.block_bytes
         datas: list[memoryview] = []
+        addresses: list[int] = []  # a one-block page's address: it may be a lent block buffer
         for i, name in zip(range(first, last), names):
-            raw = _byte_view(export.pages[name])
+            page = export.pages[name]
+            raw = _byte_view(page)
             count = min(per_page, blocks - i * per_page)
             if len(raw) != count * size:
                 raise InvalidArgument(f"page {name} has {len(raw)} bytes, expected {count * size}")
             datas.extend(raw[j * size : (j + 1) * size] for j in range(count))
+            one_block = count == 1 and hasattr(page, "data_ptr")
+            addresses.extend([page.data_ptr() if one_block else 0] * count)
         with self._cv:
             self._check_absent(req_id)
-            lent = [self._lent.pop(_address(d), None) for d in datas]  # filled in place
+            lent = [self._lent.pop(a, None) for a in addresses]  # filled in place
             fresh = iter(self.cache.take_buffers(lent.count(None)))
         buffers = [b if b is not None else next(fresh) for b in lent]
         try:
@@ -1034,15 +1038,6 @@ def _byte_view(page: Any) -> memoryview:
     if hasattr(page, "numpy") and hasattr(page, "dtype"):
         page = page.contiguous().view(-1).numpy()
     return memoryview(page).cast("B")
-
-
-def _address(view: memoryview) -> int:
-    """Where a buffer's bytes start (to recognise a block buffer lent by import_buffers)."""
-    import ctypes
-
-    if view.readonly or not view.nbytes:
-        return 0
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _is_int(value: Any) -> bool:
