@@ -20,6 +20,7 @@ import tensorcast as tc
 from tensorcast.engine.hf import HFEngine
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.sdk.instance import InstanceRuntime, manifest_key
+from tensorcast.worker.plans import MAX_BACKOFF_S, RETRY_WINDOW_S
 
 
 @pytest.fixture(scope="module")
@@ -288,18 +289,31 @@ def test_deadline_mid_plan_keeps_finished_steps_and_rerun_reuses_them(
 def test_retryable_step_failures_are_retried_with_backoff(cluster, local_instance):
     engine = local_instance("flaky", failures=2)
     engine.generate("r", PROMPT[:9], 2)
-    with cluster.connect() as rt:
-        p = tc.Plan(tc.CallContext(deadline_ms=10_000))
-        p.on_instance("flaky").publish("r")
-        result = p.run(rt)
-    assert result["steps"][0]["retries"] == 2 and result["steps"][0]["status"] == "ok"
-    engine.failures = 10
-    with cluster.connect() as rt:
-        p = tc.Plan(tc.CallContext(deadline_ms=10_000))
-        p.on_instance("flaky").publish("r")
-        with pytest.raises(tc.Unavailable) as info:
-            p.run(rt)
-    assert info.value.result["steps"][0]["retries"] == 3  # MAX_ATTEMPTS bounds the loop
+
+    def publish(deadline_ms: int) -> dict:
+        with cluster.connect() as rt:
+            p = tc.Plan(tc.CallContext(deadline_ms=deadline_ms))
+            p.on_instance("flaky").publish("r")
+            return p.run(rt)
+
+    step = publish(10_000)["steps"][0]
+    assert step["retries"] == 2 and step["status"] == "ok"
+    # A failure lasting as long as a shard home's failover (about 3 s) is ridden out: pauses
+    # of 0.05, 0.1, 0.2, 0.4 s then 0.5 s each add up to 2.75 s before the ninth attempt.
+    engine.failures = 8
+    step = publish(30_000)["steps"][0]
+    assert step["status"] == "ok" and step["retries"] == 8 and step["duration_s"] >= 2.75
+    # A lasting failure is given up on: after the retry window, even with time left...
+    engine.failures = 1000
+    with pytest.raises(tc.Unavailable) as info:
+        publish(30_000)
+    step = info.value.result["steps"][0]
+    assert RETRY_WINDOW_S - MAX_BACKOFF_S <= step["duration_s"] < 15, step
+    # ...or at the deadline, if that comes first.
+    with pytest.raises(tc.Unavailable) as info:
+        publish(1_500)
+    step = info.value.result["steps"][0]
+    assert step["retries"] >= 3 and step["duration_s"] < RETRY_WINDOW_S, step
 
 
 def test_manifest_and_transform_into_run_inside_the_instance(cluster, instances, local_instance):

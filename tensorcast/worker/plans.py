@@ -31,8 +31,13 @@ from tensorcast.worker.transfers import Transfers
 
 log = logging.getLogger("tensorcast.plan")
 
-MAX_ATTEMPTS = 4
+# A retryable step failure is retried with doubling pauses (capped) for up to RETRY_WINDOW_S
+# (never past the plan deadline). The window outlasts a shard home's failover (the lease TTL,
+# 3 s by default, plus a heartbeat of the worker taking it over), so a migration that meets a
+# dead home waits for the new one instead of failing.
 BACKOFF_S = 0.05
+MAX_BACKOFF_S = 0.5
+RETRY_WINDOW_S = 6.0
 WAIT_POLL_S = 0.1
 
 
@@ -293,13 +298,10 @@ class PlanExecutor:
                 trace.update(status="ok", result=result, bytes=int(result.get("bytes", 0)))
                 break
             except errors.TensorcastError as e:
-                pause = BACKOFF_S * 2**retries
+                pause = min(MAX_BACKOFF_S, BACKOFF_S * 2**retries)
                 retryable = e.retryable and not isinstance(e, errors.DeadlineExceeded)
-                if (
-                    retryable
-                    and retries + 1 < MAX_ATTEMPTS
-                    and (time.monotonic() + pause < deadline)
-                ):
+                resume = time.monotonic() + pause
+                if retryable and resume < min(deadline, started + RETRY_WINDOW_S):
                     retries += 1
                     time.sleep(pause)
                     continue
