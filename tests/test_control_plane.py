@@ -73,6 +73,67 @@ def test_a_small_put_is_one_worker_round_trip_and_one_store_request(cluster):
         assert other.info("cost/lease").owner == "lease"
 
 
+class _HeldStore:
+    """The real Global Store client, with every call held at the door until `go` is set, and
+    the calls in flight counted: to see how many requests the batcher keeps in flight."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.go = threading.Event()
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.sizes: list[int] = []
+
+    def call(self, method, request, timeout_s=None):
+        with self.lock:
+            self.in_flight += 1
+            self.sizes.append(len(request.ops))
+        try:
+            assert self.go.wait(30)
+            return self.store.call(method, request, timeout_s)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_the_store_batcher_keeps_two_requests_in_flight_and_coalesces_the_rest(cluster):
+    from tensorcast.proto import tensorcast_pb2 as pb
+    from tensorcast.rpc.frames import StoreClient
+    from tensorcast.worker.store_batch import MAX_IN_FLIGHT, StoreBatcher
+
+    names = [f"inflight/{i}" for i in range(5)]
+    with cluster.connect() as rt:
+        rt.put_many({n: {"w": torch.full((4,), float(i))} for i, n in enumerate(names)})
+    store = _HeldStore(StoreClient(cluster.record.store_addr, cluster.token, 10.0))
+    batcher = StoreBatcher(store, timeout_s=30.0)
+    results: dict[str, object] = {}
+
+    def lookup(name: str) -> None:
+        try:
+            results[name] = batcher.call(pb.StoreOp(get=pb.ArtifactRequest(art_id=name))).get
+        except tc.TensorcastError as e:
+            results[name] = e
+
+    callers = [threading.Thread(target=lookup, args=(n,)) for n in [*names, "inflight/none"]]
+    try:
+        for k, t in enumerate(callers):
+            t.start()
+            if k < MAX_IN_FLIGHT:  # each of the first two finds a free slot and sends
+                wait_until(lambda k=k: len(store.sizes) == k + 1, 10)
+        # The other four queue behind the two held requests: no third request goes out.
+        wait_until(lambda: len(batcher._queue) == len(callers) - MAX_IN_FLIGHT, 10)
+        assert store.in_flight == MAX_IN_FLIGHT and len(store.sizes) == MAX_IN_FLIGHT
+    finally:
+        store.go.set()
+        for t in callers:
+            t.join(30)
+    assert store.sizes == [1, 1, 4]  # the four queued ones went together in one request
+    for name in names:
+        assert results[name].art_id == name, results[name]
+    assert isinstance(results["inflight/none"], tc.NotFound)  # its own error, nobody else's
+    assert batcher.requests == 3 and batcher.ops == 6
+
+
 def test_the_worker_checks_the_callers_hashes(cluster, monkeypatch):
     from tensorcast.transport import native
 

@@ -1,13 +1,15 @@
 """`StoreBatcher`: a worker's same-host callers' Global Store requests, coalesced.
 
-Every caller thread queues its operation (a put, a lookup, a delete); whoever finds no request in
-flight sends every queued operation as one `Batch` request and hands each its result, while the
-others wait: one in flight at a time, so operations pile up during a request and the next one
-carries them all. One caller alone waits for nothing (it sends its own operation at once); eight
-share requests, and the store commits their writes in one transaction. Each operation's result or
-error is its own; a request that fails as a whole (the store unreachable) fails every operation
-it carried with that error. Bounded: at most MAX_OPS operations per request, and a caller waits
-no longer than its timeout.
+Every caller thread queues its operation (a put, a lookup, a delete); a caller that finds a
+free request slot sends every queued operation as one `Batch` request and hands each its
+result, while the others wait. At most MAX_IN_FLIGHT requests are in flight: operations pile up
+meanwhile and the next request carries them all. Two, not one, so the store commits one
+request's writes while the next is on its way and being parsed (its group commit merges what
+arrives during a commit); with one, the store's writer sat idle for half of every round trip.
+One caller alone waits for nothing (it sends its own operation at once). Each operation's
+result or error is its own; a request that fails as a whole (the store unreachable) fails every
+operation it carried with that error. Bounded: at most MAX_OPS operations per request, and a
+caller waits no longer than its timeout for a slot.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tensorcast.errors import DeadlineExceeded, TensorcastError, error_named
 from tensorcast.proto import tensorcast_pb2 as pb
 
 MAX_OPS = 256
+MAX_IN_FLIGHT = 2
 
 
 class _Pending:
@@ -37,8 +40,8 @@ class StoreBatcher:
         self.store = store  # a FailoverStub (or Stub) of the Global Store
         self.timeout_s = timeout_s
         self._queue: list[_Pending] = []
-        self._queue_lock = threading.Lock()
-        self._send_lock = threading.Lock()  # held while a request is in flight
+        self._changed = threading.Condition()  # guards the queue and the in-flight count
+        self._in_flight = 0
         self.requests = 0  # Batch requests sent
         self.ops = 0  # operations they carried
 
@@ -47,23 +50,20 @@ class StoreBatcher:
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         pending = _Pending(op)
-        with self._queue_lock:
+        with self._changed:
             self._queue.append(pending)
-        while not pending.done:
-            if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                with self._queue_lock:
-                    if pending in self._queue:  # never sent: nothing happened
-                        self._queue.remove(pending)
-                        raise DeadlineExceeded(
-                            f"the Global Store did not take this request within {timeout_s:.0f}s"
-                        )
+            while not pending.done:
+                if pending in self._queue and self._in_flight < MAX_IN_FLIGHT:
+                    self._send(timeout_s)  # carries `pending` and whatever else is queued
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0 and pending in self._queue:  # never sent: nothing happened
+                    self._queue.remove(pending)
+                    raise DeadlineExceeded(
+                        f"the Global Store did not take this request within {timeout_s:.0f}s"
+                    )
                 # In flight: its answer comes within that request's own timeout.
-                self._send_lock.acquire()
-            try:
-                if not pending.done:
-                    self._send(timeout_s)
-            finally:
-                self._send_lock.release()
+                self._changed.wait(left if left > 0 else None)
         if pending.error is not None:
             raise pending.error
         assert pending.result is not None
@@ -72,11 +72,12 @@ class StoreBatcher:
         return pending.result
 
     def _send(self, timeout_s: float) -> None:
-        with self._queue_lock:
-            batch = self._queue[:MAX_OPS]
-            del self._queue[:MAX_OPS]
-        if not batch:
-            return
+        """Send the queue's head as one request; called and returning with `_changed` held
+        (released while the request is in flight)."""
+        batch = self._queue[:MAX_OPS]
+        del self._queue[:MAX_OPS]
+        self._in_flight += 1
+        self._changed.release()
         try:
             size = sum(_size(p.op) for p in batch)
             reply = self.store.call(
@@ -84,8 +85,6 @@ class StoreBatcher:
                 pb.BatchRequest(ops=[p.op for p in batch]),
                 timeout_s=max(timeout_s, 0.01 * size),
             )
-            self.requests += 1
-            self.ops += len(batch)
             for p, result in zip(batch, reply.results):
                 p.result = result
         except TensorcastError as e:
@@ -96,8 +95,13 @@ class StoreBatcher:
                 p.error = e
             raise
         finally:
+            self._changed.acquire()
+            self._in_flight -= 1
+            self.requests += 1
+            self.ops += len(batch)
             for p in batch:
                 p.done = True
+            self._changed.notify_all()
 
 
 def _size(op: pb.StoreOp) -> int:
