@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from conftest import wait_until
@@ -67,7 +68,18 @@ def sims(cluster):
 def test_rebalance_dry_run_then_move(cluster, sims):
     endpoints, _ = sims
     first = turn(endpoints["sim-a"], "victim", context(7, 300))
+    ended = time.monotonic()
     assert "victim" in sessions_on(endpoints["sim-a"])
+    # The store may still hold a load report taken during that turn (sim-a running 5): wait
+    # for one taken after it (reports every 0.1 s, forwarded at the worker's heartbeat).
+    with cluster.connect() as rt:
+
+        def reported_after_the_turn() -> bool:
+            a = next(i for i in rt.instances() if i.instance_id == "sim-a")
+            fresh = time.monotonic() - ended > a.heartbeat_age_s + 0.1 + 0.1
+            return fresh and (a.waiting, a.running) == (0, 4)
+
+        wait_until(reported_after_the_turn, 20)
 
     proc = cluster.tc("rebalance", "--dry-run", "--json", check=True)
     record = check_json_shape("rebalance", proc.stdout)
@@ -195,6 +207,22 @@ def test_router_rebalance_moves_a_session_and_a_racing_turn_waits(
     assert check_json_shape("router state", proc.stdout)["migrations"][0]["key"] == move["key"]
     proc = cluster.tc("router", "state", "--router", addr, check=True)
     assert "s-31" in proc.stdout and "sim-a -> sim-b" in proc.stdout
+
+
+def test_rebalance_spreads_new_sessions_that_share_a_prefix(cluster, sims, router):
+    """Agent sessions share a long system prompt: placed by cache affinity (the gateway's
+    cache-aware rule) they all pile onto the first instance that saw it; the rebalance router
+    places a new session on the instance owning the fewest active sessions instead."""
+    r, addr = router(policy="rebalance", instances=("sim-a", "sim-b"))
+    system = context(50, 160)
+    picks = [routed(addr, f"sp-{k}", system + context(60 + k, 20))[0] for k in range(4)]
+    assert picks == ["sim-a", "sim-b", "sim-a", "sim-b"]
+    again, _ = routed(addr, "sp-0", system + context(60, 20) + [3] * 10)
+    assert again == "sim-a"  # a known session stays where its cache is
+    assert {i["instance_id"]: i["sessions"] for i in r.state()["instances"]} == {
+        "sim-a": 2,
+        "sim-b": 2,
+    }
 
 
 def test_baseline_policies_spread_or_stick(cluster, sims, router):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorcast.errors import InvalidArgument
+from tensorcast.errors import InvalidArgument, Unavailable
 from tensorcast.router.policy import (
     LoadSample,
     RebalanceParams,
@@ -322,3 +322,13 @@ def test_cache_aware_prefers_the_longest_prefix_unless_imbalanced():
     # Imbalanced (gap > 32 and ratio > 1.5): the least loaded, whatever the match.
     loads = {"a": 10.0, "b": 50.0, "c": 12.0}
     assert cache_aware(["a", "b", "c"], loads, index, keys) == "a"
+
+
+def test_least_occupied_spreads_by_sessions_then_load():
+    from tensorcast.router.baselines import least_occupied
+
+    assert least_occupied(["b", "a", "c"], {"a": 3, "b": 1, "c": 2}, {"b": 9.0}) == "b"
+    assert least_occupied(["a", "b"], {"a": 1, "b": 1}, {"a": 2.0, "b": 1.0}) == "b"
+    assert least_occupied(["b", "a"], {}, {}) == "a"  # all equal: the smallest id
+    with pytest.raises(Unavailable):
+        least_occupied([], {}, {})

@@ -8,6 +8,8 @@
   min) the least loaded instance; else the instance with the longest prefix match when it
   covers at least `cache_threshold` of the request, else the one with the smallest picture
   (most room).
+- least-occupied (the rebalance router's choice for a new session): the instance owning the
+  fewest active sessions, then the least loaded, then the smallest id.
 """
 
 from __future__ import annotations
@@ -115,3 +117,12 @@ def cache_aware(
     if keys and index.match(best, keys) / len(keys) >= cache_threshold:
         return best
     return min(order, key=lambda i: (index.size(i), loads.get(i, 0.0), i))
+
+
+def least_occupied(
+    instances: Sequence[str], occupancy: Mapping[str, int], loads: Mapping[str, float]
+) -> str:
+    order = sorted(instances)
+    if not order:
+        raise Unavailable("no live instance to route to")
+    return min(order, key=lambda i: (occupancy.get(i, 0), loads.get(i, 0.0), i))

@@ -177,11 +177,7 @@ class Router:
     def acquire(self, session: str, tokens: list[int]) -> tuple[str, str]:
         """Choose the instance for one turn and count it in flight; pair with `release`."""
         c = self.config
-        keys = (
-            baselines.prefix_keys(tokens, c.block_tokens)
-            if c.policy in ("rebalance", "cache-aware")
-            else []
-        )
+        keys = baselines.prefix_keys(tokens, c.block_tokens) if c.policy == "cache-aware" else []
         deadline = time.monotonic() + c.migration_deadline_ms / 1000 + 5
         with self._cv:
             state = self._sessions.get(session)
@@ -201,6 +197,8 @@ class Router:
             sticky = c.policy in ("rebalance", "cache-aware")
             if sticky and state is not None and state.owner in self._endpoints:
                 target = state.owner
+            elif c.policy == "rebalance":  # a new session (or one whose owner is gone)
+                target = baselines.least_occupied(instances, self._occupancy(), loads)
             elif c.policy == "round-robin":
                 target = baselines.round_robin(instances, self._last_rr)
                 self._last_rr = target
@@ -227,6 +225,17 @@ class Router:
             if keys:
                 self._index.insert(target, keys)
             return target, self._endpoints[target]
+
+    def _occupancy(self) -> dict[str, int]:
+        """Active sessions per instance: a turn in flight, migrating, or a turn within the
+        last horizon_s (Algorithm 1's H: older ones score as good as gone)."""
+        now = time.monotonic()
+        horizon = self.config.params.horizon_s
+        counts = dict.fromkeys(self._endpoints, 0)
+        for s in self._sessions.values():
+            if s.owner in counts and (s.inflight or s.migrating or now - s.last_active < horizon):
+                counts[s.owner] += 1
+        return counts
 
     def release(self, session: str, instance: str, total_tokens: int | None) -> None:
         with self._cv:
@@ -340,8 +349,9 @@ class Router:
                 if moved:
                     state.owner = target
                     state.migrations += 1
-                    self._index.forget(source, state.keys)
-                    self._index.insert(target, state.keys)
+                    if state.keys:  # (an empty list would forget the whole source)
+                        self._index.forget(source, state.keys)
+                        self._index.insert(target, state.keys)
                 state.migrating = False
             self._migrating -= 1
             self._migrations.appendleft(entry)
