@@ -212,7 +212,8 @@ def test_router_rebalance_moves_a_session_and_a_racing_turn_waits(
 def test_rebalance_spreads_new_sessions_that_share_a_prefix(cluster, sims, router):
     """Agent sessions share a long system prompt: placed by cache affinity (the gateway's
     cache-aware rule) they all pile onto the first instance that saw it; the rebalance router
-    places a new session on the instance owning the fewest active sessions instead."""
+    places a new session on the least busy instance instead (nothing in flight between these
+    sequential turns: the one owning the fewest active sessions)."""
     r, addr = router(policy="rebalance", instances=("sim-a", "sim-b"))
     system = context(50, 160)
     picks = [routed(addr, f"sp-{k}", system + context(60 + k, 20))[0] for k in range(4)]

@@ -324,11 +324,12 @@ def test_cache_aware_prefers_the_longest_prefix_unless_imbalanced():
     assert cache_aware(["a", "b", "c"], loads, index, keys) == "a"
 
 
-def test_least_occupied_spreads_by_sessions_then_load():
-    from tensorcast.router.baselines import least_occupied
+def test_least_busy_takes_the_shortest_queue_then_the_fewest_sessions():
+    from tensorcast.router.baselines import least_busy
 
-    assert least_occupied(["b", "a", "c"], {"a": 3, "b": 1, "c": 2}, {"b": 9.0}) == "b"
-    assert least_occupied(["a", "b"], {"a": 1, "b": 1}, {"a": 2.0, "b": 1.0}) == "b"
-    assert least_occupied(["b", "a"], {}, {}) == "a"  # all equal: the smallest id
+    loads = {"a": 1.0, "b": 0.0, "c": 0.0}
+    assert least_busy(["c", "a", "b"], loads, {"b": 3, "c": 2}) == "c"  # b and c idle: c owns fewer
+    assert least_busy(["a", "b"], {"a": 0.0, "b": 2.0}, {"a": 9}) == "a"  # in flight first
+    assert least_busy(["b", "a"], {}, {}) == "a"  # all equal: the smallest id
     with pytest.raises(Unavailable):
-        least_occupied([], {}, {})
+        least_busy([], {}, {})

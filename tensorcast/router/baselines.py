@@ -8,8 +8,8 @@
   min) the least loaded instance; else the instance with the longest prefix match when it
   covers at least `cache_threshold` of the request, else the one with the smallest picture
   (most room).
-- least-occupied (the rebalance router's choice for a new session): the instance owning the
-  fewest active sessions, then the least loaded, then the smallest id.
+- least-busy (the rebalance router's choice for a new session): the instance with the fewest
+  turns in flight, then the one owning the fewest active sessions, then the smallest id.
 """
 
 from __future__ import annotations
@@ -119,10 +119,10 @@ def cache_aware(
     return min(order, key=lambda i: (index.size(i), loads.get(i, 0.0), i))
 
 
-def least_occupied(
-    instances: Sequence[str], occupancy: Mapping[str, int], loads: Mapping[str, float]
+def least_busy(
+    instances: Sequence[str], loads: Mapping[str, float], occupancy: Mapping[str, int]
 ) -> str:
     order = sorted(instances)
     if not order:
         raise Unavailable("no live instance to route to")
-    return min(order, key=lambda i: (occupancy.get(i, 0), loads.get(i, 0.0), i))
+    return min(order, key=lambda i: (loads.get(i, 0.0), occupancy.get(i, 0), i))

@@ -198,7 +198,7 @@ class Router:
             if sticky and state is not None and state.owner in self._endpoints:
                 target = state.owner
             elif c.policy == "rebalance":  # a new session (or one whose owner is gone)
-                target = baselines.least_occupied(instances, self._occupancy(), loads)
+                target = baselines.least_busy(instances, loads, self._occupancy())
             elif c.policy == "round-robin":
                 target = baselines.round_robin(instances, self._last_rr)
                 self._last_rr = target
