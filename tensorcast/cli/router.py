@@ -1,7 +1,7 @@
 """`tc router start`: an HTTP router (SGLang's /generate API) in front of the cluster's engine
 instances, with policies rebalance (a new session on the least busy instance, then sticky,
-plus Algorithm 1 migrations of sessions with their KV caches),
-cache-aware, load-aware (power of two) and round-robin.
+plus Algorithm 1 migrations of sessions with their KV caches), cache-aware, load-aware (power
+of two) and round-robin.
 `tc router state`: what a running router sees (loads, sessions, recent migrations)."""
 
 from __future__ import annotations
