@@ -334,3 +334,40 @@ def test_a_store_killed_mid_batch_leaves_all_of_it_or_none(fault_dir, when):
         again = rt.put_many(items)  # all of it, either way
         assert len(again) == 60
         assert torch.equal(rt.artifact("fault/059").tensor_dict()["w"], items["fault/059"]["w"])
+
+
+def _heartbeat_kinds(cluster: Cluster) -> dict[str, float]:
+    """The store's heartbeats so far by inventory: full, delta, resync."""
+    addr = next(p for p in cluster.record.processes if p.role == "store").metrics_addr
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    prefix = 'tc_store_heartbeats_total{inventory="'
+    kinds = {"full": 0.0, "delta": 0.0, "resync": 0.0}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            kinds[key[len(prefix) : -2]] = float(value)
+    return kinds
+
+
+def test_heartbeats_send_what_changed_and_the_store_keeps_up(fresh_cluster):
+    """A worker's heartbeats carry the changes since the store's acknowledged inventory (decision
+    85), and everything the full inventories did still happens: pins reach the store, and a
+    deleted artifact's bytes leave the pool though the worker's inventory did not change."""
+    c = fresh_cluster
+    with c.connect() as rt:
+        rt.put_many({f"inv/{i:03d}": {"w": torch.full((16,), float(i))} for i in range(200)})
+        before = _heartbeat_kinds(c)
+        wait_until(lambda: _heartbeat_kinds(c)["delta"] >= before["delta"] + 5, 30)
+        after = _heartbeat_kinds(c)
+        # Deltas, and no refusals; a full inventory only every FULL_INVENTORY_EVERY_S (30 s).
+        assert after["full"] - before["full"] <= 1 and after["resync"] == 0, (before, after)
+        worker = rt.workers()[0]
+        rt.artifact("inv/007").pin(worker)
+        wait_until(lambda: rt.info("inv/007").replicas[0].pinned, 10)
+        rt.artifact("inv/007").unpin(worker)
+        wait_until(lambda: not rt.info("inv/007").replicas[0].pinned, 10)
+        held = worker_contents(rt)
+        rt.delete("inv/001")
+        wait_until(lambda: worker_contents(rt) == held - 1, 10)  # beats: every 0.2 s
+        assert [r.worker_id for r in rt.info("inv/002").replicas] == [worker.worker_id]
+        assert torch.equal(rt.artifact("inv/199").tensor_dict()["w"], torch.full((16,), 199.0))

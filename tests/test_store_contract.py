@@ -19,6 +19,7 @@ from tensorcast.store.base import (
     RECONCILE_GRACE_S,
     DeleteOp,
     GetOp,
+    Inventory,
     NewArtifact,
     NewReplica,
     PutOp,
@@ -104,6 +105,13 @@ def _content(store, worker_id: str, content_id: str, now: float, tier: str = "cp
     store.add_replica(worker_id, content_id, 68, _tensors(content_id), now, tier)
 
 
+def _beat(store, worker_id: str, now: float, cpu=(), pinned=(), disk=(), mem: int = 0) -> list:
+    """A heartbeat with a full inventory; returns the contents the worker is told to drop."""
+    result = store.heartbeat(worker_id, mem, Inventory.of(cpu, pinned, disk), now)
+    assert not result.resync  # a full inventory is always applied
+    return result.drop_content_ids
+
+
 # -- workers, contents, replicas ----------------------------------------------------------------
 
 
@@ -111,14 +119,14 @@ def test_workers_register_beat_and_die_by_ttl(records):
     store, _ = records
     _worker(store, "w1", 100.0)
     _worker(store, "w2", 100.0, name="other")
-    assert store.heartbeat("w1", 123, [], 101.0) == []
+    assert _beat(store, "w1", 101.0, mem=123) == []
     w1 = min(store.list_workers(102.0), key=lambda w: w.worker_id)
     assert (w1.alive, w1.mem_used_bytes, w1.heartbeat_age_s) == (True, 123, pytest.approx(1.0))
     assert [w.name for w in store.list_workers(102.0)] == ["other", "w1"]  # by name
     alive = {w.worker_id: w.alive for w in store.list_workers(103.5)}
     assert alive == {"w1": True, "w2": False}  # w2 last beat at 100, a TTL ago
     with pytest.raises(NotFound):
-        store.heartbeat("nobody", 0, [], 101.0)
+        _beat(store, "nobody", 101.0)
     # A name belongs to one live worker; a dead one's name can be taken.
     with pytest.raises(AlreadyExists, match="w1"):
         _worker(store, "w3", 103.0, name="w1")
@@ -139,7 +147,7 @@ def test_replicas_are_listed_while_their_worker_lives(records):
     info = store.find_content("c1", 101.0)
     assert info.size_bytes == 68 and info.tensors == _tensors("c1")
     assert [r.worker_id for r in info.replicas] == ["w1", "w2"]  # oldest first
-    store.heartbeat("w2", 0, ["c1"], 102.0)
+    _beat(store, "w2", 102.0, ["c1"])
     assert [r.worker_id for r in store.find_content("c1", 103.5).replicas] == ["w2"]
     store.remove_replica("w2", "c1")
     assert store.find_content("c1", 103.5).replicas == ()
@@ -157,14 +165,88 @@ def test_heartbeats_reconcile_the_inventory(records):
     _content(store, "w1", "c2", 100.0)
     # Held but unknown: to drop. Known and held: listed (pinned as reported). Listed but no
     # longer held: forgotten once older than the grace.
-    assert store.heartbeat("w1", 0, ["c1", "zz"], 100.5, frozenset({"c1"})) == ["zz"]
+    assert _beat(store, "w1", 100.5, ["c1", "zz"], pinned=["c1"]) == ["zz"]
     assert store.find_content("c1", 100.5).replicas[0].pinned
     assert store.find_content("c2", 100.5).replicas  # younger than the grace: kept
     later = 100.0 + RECONCILE_GRACE_S + 1
-    store.heartbeat("w1", 0, ["c1"], later, disk_content_ids=frozenset({"c2"}))
+    _beat(store, "w1", later, ["c1"], disk=["c2"])
     assert [(r.tier) for r in store.find_content("c2", later).replicas] == ["disk"]
     assert not store.find_content("c1", later).replicas[0].pinned  # unpinned as reported
     assert [w.num_replicas for w in store.list_workers(later)] == [2]
+
+
+def _rows(store, worker_id: str, contents: list[str], now: float) -> dict[str, bool]:
+    """content -> pinned, for `worker_id`'s cpu replicas of `contents`."""
+    rows = {}
+    for content_id in contents:
+        info = store.find_content(content_id, now)
+        for r in info.replicas if info else ():
+            if r.worker_id == worker_id and r.tier == "cpu":
+                rows[content_id] = r.pinned
+    return rows
+
+
+def test_delta_inventories_apply_only_on_the_acknowledged_epoch(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    for c in ("c1", "c2", "c3"):
+        _content(store, "w1", c, 100.0)
+    # Full, epoch 1: c3 is not held, but its row is younger than the grace: kept, and said so.
+    full = store.heartbeat("w1", 0, Inventory.of(["c1", "c2"], epoch=1), 100.5)
+    assert (full.resync, full.kept) == (False, {("c3", "cpu")})
+    t = 100.0 + RECONCILE_GRACE_S + 1
+    # A delta against epoch 1: c1 pinned, c2 removed, c3's removal sent again, an unknown new one.
+    delta = Inventory(
+        epoch=2,
+        held={("c1", "cpu"): True, ("zz", "cpu"): False},
+        removed=frozenset({("c2", "cpu"), ("c3", "cpu")}),
+        base_epoch=1,
+    )
+    result = store.heartbeat("w1", 0, delta, t)
+    assert (result.drop_content_ids, result.resync, result.kept) == (["zz"], False, frozenset())
+    assert _rows(store, "w1", ["c1", "c2", "c3", "zz"], t) == {"c1": True}
+    # A delta against an epoch the store did not record (a lost answer): nothing applied.
+    stale = Inventory(epoch=3, removed=frozenset({("c1", "cpu")}), base_epoch=1)
+    result = store.heartbeat("w1", 0, stale, t + 1)
+    assert (result.resync, result.drop_content_ids) == (True, [])
+    assert _rows(store, "w1", ["c1"], t + 1) == {"c1": True}
+    assert store.list_workers(t + 1.5)[0].heartbeat_age_s == pytest.approx(0.5)  # still alive
+    # The full inventory that follows is applied, and deltas against it again.
+    assert _beat(store, "w1", t + 2, ["c1"], pinned=["c1"]) == []
+    store.heartbeat("w1", 0, Inventory.of(["c1"], pinned=["c1"], epoch=4), t + 2)
+    unpin = Inventory(epoch=5, held={("c1", "cpu"): False}, base_epoch=4)
+    assert not store.heartbeat("w1", 0, unpin, t + 3).resync
+    assert _rows(store, "w1", ["c1"], t + 3) == {"c1": False}
+    # Declared dead by a sweep, its rows go; back, its next delta is refused until a full beat.
+    dead_at = t + 3 + TTL + 1
+    store.sweep(dead_at)
+    back = Inventory(epoch=6, base_epoch=5)
+    assert store.heartbeat("w1", 0, back, dead_at + 0.5).resync
+    assert _rows(store, "w1", ["c1"], dead_at + 0.5) == {}
+    assert _beat(store, "w1", dead_at + 1, ["c1"]) == []
+    assert _rows(store, "w1", ["c1"], dead_at + 1) == {"c1": False}
+
+
+def test_a_worker_is_told_once_to_drop_what_lost_its_last_artifact(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _worker(store, "w2", 100.0)
+    for c in ("c1", "c2", "c3"):
+        _content(store, "w1", c, 100.0)
+        store.create_artifact(f"a-{c}", c, "system", 0, "", 100.0)
+    _content(store, "w2", "c1", 100.0)
+    store.heartbeat("w1", 0, Inventory.of(["c1", "c2", "c3"], epoch=1), 100.1)
+    store.heartbeat("w2", 0, Inventory.of(["c1"], epoch=1), 100.1)
+    store.delete_artifacts(["a-c1", "a-c2"], 100.2)
+    # c2 comes back (put again) before the beat: it is not dropped.
+    _content(store, "w1", "c2", 100.3)
+    store.create_artifact("a-c2", "c2", "system", 0, "", 100.3)
+    nothing_changed = Inventory(epoch=2, base_epoch=1)
+    assert store.heartbeat("w1", 0, nothing_changed, 100.4).drop_content_ids == ["c1"]
+    assert store.heartbeat("w1", 0, Inventory(epoch=3, base_epoch=2), 100.5).drop_content_ids == []
+    # Every worker that held it is told.
+    assert store.heartbeat("w2", 0, nothing_changed, 100.6).drop_content_ids == ["c1"]
+    assert _rows(store, "w1", ["c2", "c3"], 100.6) == {"c2": False, "c3": False}
 
 
 def test_reference_hashes_are_filled_once_then_checked(records):
@@ -223,7 +305,7 @@ def test_the_last_artifact_naming_a_content_frees_it(records):
         store.delete_artifact("a", 100.1)
     store.delete_artifact("b", 100.2)
     assert store.find_content("c1", 100.2) is None
-    assert store.heartbeat("w1", 0, ["c1"], 100.3) == ["c1"]  # the worker is told to drop it
+    assert _beat(store, "w1", 100.3, ["c1"]) == ["c1"]  # the worker is told to drop it
     assert store.counts() == (0, 0)
 
 
@@ -259,14 +341,14 @@ def test_sweep_collects_unnamed_contents_and_dead_workers_replicas(records):
     _content(store, "w2", "named", 100.0)
     _content(store, "w1", "orphan", 100.0)
     store.create_artifact("n", "named", "system", 0, "", 100.0)
-    store.heartbeat("w1", 0, ["named", "orphan"], 100.0 + GRACE)
+    _beat(store, "w1", 100.0 + GRACE, ["named", "orphan"])
     store.sweep(100.0 + GRACE - 1)
     assert store.find_content("orphan", 100.0 + GRACE) is not None  # within the grace
     store.sweep(100.0 + GRACE + 1)
     assert store.find_content("orphan", 100.0 + GRACE + 1) is None
     info = store.find_content("named", 100.0 + GRACE + 1)
     assert [r.worker_id for r in info.replicas] == ["w1"]  # w2 is dead: its row is gone
-    assert store.heartbeat("w2", 0, ["named"], 100.0 + GRACE + 2) == []  # back: listed again
+    assert _beat(store, "w2", 100.0 + GRACE + 2, ["named"]) == []  # back: listed again
     assert {r.worker_id for r in store.find_content("named", 100.0 + GRACE + 2).replicas} == {
         "w1",
         "w2",
@@ -502,7 +584,7 @@ def test_a_replica_held_by_another_live_worker_is_not_recorded_twice(records):
     assert [r.worker_id for r in result.artifacts[0][0].replicas] == ["w1"]
     # A worker that holds a replica already keeps it; once w1 is dead, w2's copy is needed.
     assert store.put_artifacts("w1", [rep], [], 100.6).redundant == ()
-    store.heartbeat("w2", 0, [], 103.0)
+    _beat(store, "w2", 103.0)
     result = store.put_artifacts("w2", [rep], [NewArtifact("b", "c1", "system")], 103.5)
     assert result.redundant == ()
     assert [r.worker_id for r in store.find_content("c1", 103.5).replicas] == ["w2"]
@@ -564,7 +646,7 @@ def test_delete_batches_check_every_member_first(records):
     assert store.delete_artifacts(["d/0000", "d/missing", "d/0001"], 100.5, missing_ok=True) == 2
     assert _ids(store, "d/", 100.5) == ["d/0002"]
     assert store.find_content("d-c0", 100.5) is None  # dropped with its last name
-    assert store.heartbeat("w1", 0, ["d-c0", "d-c2"], 100.6) == ["d-c0"]
+    assert _beat(store, "w1", 100.6, ["d-c0", "d-c2"]) == ["d-c0"]
 
 
 def test_concurrent_writers_all_land(records):

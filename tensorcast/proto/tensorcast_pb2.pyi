@@ -111,7 +111,7 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total", "disk_used_bytes", "held_shards", "instances", "file_content_ids")
+    __slots__ = ("worker_id", "mem_used_bytes", "content_ids", "pinned_content_ids", "active_transfers", "disk_content_ids", "transfer_bytes_total", "disk_used_bytes", "held_shards", "instances", "file_content_ids", "inventory_epoch", "base_epoch", "removed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,9 @@ class HeartbeatRequest(_message.Message):
     HELD_SHARDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     FILE_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     mem_used_bytes: int
     content_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -134,15 +137,30 @@ class HeartbeatRequest(_message.Message):
     held_shards: _containers.RepeatedCompositeFieldContainer[ShardLease]
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
     file_content_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., held_shards: _Optional[_Iterable[_Union[ShardLease, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., file_content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    inventory_epoch: int
+    base_epoch: int
+    removed: _containers.RepeatedCompositeFieldContainer[ReplicaRef]
+    def __init__(self, worker_id: _Optional[str] = ..., mem_used_bytes: _Optional[int] = ..., content_ids: _Optional[_Iterable[str]] = ..., pinned_content_ids: _Optional[_Iterable[str]] = ..., active_transfers: _Optional[int] = ..., disk_content_ids: _Optional[_Iterable[str]] = ..., transfer_bytes_total: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., held_shards: _Optional[_Iterable[_Union[ShardLease, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., file_content_ids: _Optional[_Iterable[str]] = ..., inventory_epoch: _Optional[int] = ..., base_epoch: _Optional[int] = ..., removed: _Optional[_Iterable[_Union[ReplicaRef, _Mapping]]] = ...) -> None: ...
+
+class ReplicaRef(_message.Message):
+    __slots__ = ("content_id", "tier")
+    CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    content_id: str
+    tier: str
+    def __init__(self, content_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("drop_content_ids", "shards")
+    __slots__ = ("drop_content_ids", "shards", "resync", "kept")
     DROP_CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     drop_content_ids: _containers.RepeatedScalarFieldContainer[str]
     shards: ShardTable
-    def __init__(self, drop_content_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Union[ShardTable, _Mapping]] = ...) -> None: ...
+    resync: bool
+    kept: _containers.RepeatedCompositeFieldContainer[ReplicaRef]
+    def __init__(self, drop_content_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Union[ShardTable, _Mapping]] = ..., resync: _Optional[bool] = ..., kept: _Optional[_Iterable[_Union[ReplicaRef, _Mapping]]] = ...) -> None: ...
 
 class ShardLease(_message.Message):
     __slots__ = ("shard", "holder_worker_id", "token", "expires_in_s", "holder_addr", "holder_local_socket", "holder_host_id")

@@ -7,7 +7,8 @@ raise `NotFound`, conflicting writes `AlreadyExists`, and nothing is changed by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tensorcast.errors import InvalidArgument, TensorcastError
@@ -27,6 +28,7 @@ from tensorcast.types import (
 # A heartbeat's inventory was taken before it was sent: replica rows newer than this are kept
 # even when missing from it (explicit RemoveReplica calls are immediate).
 RECONCILE_GRACE_S = 10.0
+REPLICA_TIERS = ("cpu", "disk", "file")
 # Dead workers stay listed (as dead) this long, so `tc status` can show them.
 DEAD_WORKER_RETENTION_S = 600.0
 MAX_ID_LENGTH = 512
@@ -91,6 +93,60 @@ class WorkerRegistration:
     mem_cap_bytes: int
     pid: int
     data_addr: str = ""
+
+
+ReplicaKey = tuple[str, str]  # (content_id, tier) of one worker's replica
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The replicas a heartbeat reports, (content_id, tier) -> pinned.
+
+    `base_epoch` 0: `held` is everything the worker holds, and the store forgets the rest.
+    Otherwise `held` (new or re-pinned replicas) and `removed` are what changed since the
+    inventory the store acknowledged at `base_epoch`; the store applies them only if that is
+    the epoch it recorded last, else it asks for everything (`BeatResult.resync`). A worker
+    holding 10,000 contents so sends what changed, not 10,000 ids a second."""
+
+    epoch: int = 0
+    held: Mapping[ReplicaKey, bool] = field(default_factory=dict)
+    removed: frozenset[ReplicaKey] = frozenset()
+    base_epoch: int = 0
+
+    @property
+    def is_full(self) -> bool:
+        return self.base_epoch == 0
+
+    @classmethod
+    def of(
+        cls,
+        cpu: Iterable[str] = (),
+        pinned: Iterable[str] = (),
+        disk: Iterable[str] = (),
+        file: Iterable[str] = (),
+        epoch: int = 0,
+        base_epoch: int = 0,
+        removed: Iterable[ReplicaKey] = (),
+    ) -> Inventory:
+        """An inventory from per-tier content ids (`pinned`: every tier of those contents)."""
+        pins = frozenset(pinned)
+        held = {
+            (c, tier): c in pins
+            for tier, ids in zip(REPLICA_TIERS, (cpu, disk, file), strict=True)
+            for c in ids
+        }
+        return cls(epoch, held, frozenset(removed), base_epoch)
+
+
+@dataclass(frozen=True)
+class BeatResult:
+    """A heartbeat's answer: contents the worker should drop (no artifact names them), whether
+    the store could not apply a delta inventory (send the full one), and the removals it kept
+    for now (rows younger than RECONCILE_GRACE_S: report them removed again)."""
+
+    drop_content_ids: list[str]
+    resync: bool = False
+    kept: frozenset[ReplicaKey] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -234,16 +290,15 @@ class MetadataStore(Protocol):
         self,
         worker_id: str,
         mem_used_bytes: int,
-        content_ids: list[str],
+        inventory: Inventory,
         now: float,
-        pinned_content_ids: frozenset[str] = frozenset(),
         active_transfers: int = 0,
-        disk_content_ids: frozenset[str] = frozenset(),
         transfer_bytes_total: int = 0,
         disk_used_bytes: int = 0,
-        file_content_ids: frozenset[str] = frozenset(),
-    ) -> list[str]:
-        """Record liveness and reconcile the worker's inventory; returns contents to drop."""
+    ) -> BeatResult:
+        """Record liveness and reconcile the worker's replicas with `inventory`. Contents to
+        drop: held ones the store does not know, and ones whose last artifact went since the
+        last beat (the store keeps a note per worker that held them)."""
         ...
 
     def list_workers(self, now: float) -> list[WorkerInfo]: ...

@@ -17,6 +17,8 @@ Keys under the prefix (JSON values):
     unref/{content}            a content no artifact names (yet): collected after the grace
     r/{content}/{worker}/{tier}  a replica: created_at, pinned
     rw/{worker}/{content}/{tier} the same replica, found by worker
+    d/{worker}/{content}       a content the worker held whose last artifact went (told to it
+                               at its next heartbeat: a delta inventory does not list it)
     f/{content}                a file reference: host, spec
     a/{artifact}               an artifact: content, owner, created_at, expires_at, parent,
                                size_bytes, num_tensors; `batch` while its batch is staged
@@ -51,11 +53,14 @@ from tensorcast.store.base import (
     PLAN_RETENTION_S,
     RECONCILE_GRACE_S,
     SHARD_HOME_ROLE,
+    BeatResult,
     ContentInfo,
+    Inventory,
     NewArtifact,
     NewReplica,
     OpResult,
     PutResult,
+    ReplicaKey,
     StoreOp,
     WorkerRegistration,
     check_batch,
@@ -202,33 +207,40 @@ class EtcdStore:
             "active_transfers": 0,
             "transfer_bytes_total": 0,
             "disk_used_bytes": 0,
+            "inventory_epoch": 0,
         }
         self.kv.txn([], [self.kv.put(f"w/{reg.worker_id}", record)])
 
     def deregister_worker(self, worker_id: str) -> None:
-        ops = [self.kv.delete(f"w/{worker_id}")]
-        for key in self.kv.range(f"rw/{worker_id}/", keys_only=True):
-            _, _, content_id, tier = key.split("/")
-            ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
-        self.kv.apply(ops)
+        self._drop_worker_replicas(worker_id)
+        self.kv.apply([self.kv.delete(f"w/{worker_id}")])
 
     def heartbeat(
         self,
         worker_id: str,
         mem_used_bytes: int,
-        content_ids: list[str],
+        inventory: Inventory,
         now: float,
-        pinned_content_ids: frozenset[str] = frozenset(),
         active_transfers: int = 0,
-        disk_content_ids: frozenset[str] = frozenset(),
         transfer_bytes_total: int = 0,
         disk_used_bytes: int = 0,
-        file_content_ids: frozenset[str] = frozenset(),
-    ) -> list[str]:
+    ) -> BeatResult:
+        key = f"w/{worker_id}"
+        item = self.kv.get(key)
+        if item is None:
+            raise NotFound(f"worker {worker_id} is not registered")
+        base = item.value.get("inventory_epoch", 0)
+        resync = not inventory.is_full and inventory.base_epoch != base
+        drop, kept = ([], frozenset()) if resync else self._reconcile(worker_id, inventory, now)
+
         def beat() -> None:
-            item = self.kv.get(f"w/{worker_id}")
+            item = self.kv.get(key)
             if item is None:
                 raise NotFound(f"worker {worker_id} is not registered")
+            # A sweep that took this worker's rows meanwhile reset its epoch: it stays reset.
+            epoch = item.value.get("inventory_epoch", 0)
+            if not resync and epoch == base:
+                epoch = inventory.epoch
             record = dict(
                 item.value,
                 last_heartbeat=now,
@@ -236,36 +248,61 @@ class EtcdStore:
                 active_transfers=active_transfers,
                 transfer_bytes_total=transfer_bytes_total,
                 disk_used_bytes=disk_used_bytes,
+                inventory_epoch=epoch,
             )
-            key = f"w/{worker_id}"
             self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, record)])
 
         self.kv.optimistic(beat)
-        held = (
-            {(c, "cpu") for c in content_ids}
-            | {(c, "disk") for c in disk_content_ids}
-            | {(c, "file") for c in file_content_ids}
-        )
-        known = {c for c in {c for c, _ in held} if self.kv.get(f"c/{c}") is not None}
-        current = self.kv.range(f"rw/{worker_id}/")
+        return BeatResult(drop, resync=resync, kept=kept)
+
+    def _reconcile(
+        self, worker_id: str, inventory: Inventory, now: float
+    ) -> tuple[list[str], frozenset[ReplicaKey]]:
+        """Write the replica rows `inventory` changes (a full one's differences from the rows,
+        or a delta's changes); returns the contents the worker should drop and the removals
+        kept for now."""
+        held = inventory.held
+        if inventory.is_full:
+            rows = self.kv.range(f"rw/{worker_id}/")
+            recorded = {tuple(k.split("/")[2:4]): row for k, row in rows.items()}
+            removed = [k for k in recorded if k not in held]
+            changed = {
+                k: p
+                for k, p in held.items()
+                if k not in recorded or recorded[k].value["pinned"] != p
+            }
+        else:
+            removed = [k for k in inventory.removed if k not in held]
+            changed = dict(held)
+            got, _ = self.kv.read_many([f"rw/{worker_id}/{c}/{t}" for c, t in [*changed, *removed]])
+            recorded = {tuple(k.split("/")[2:4]): row for k, row in got.items() if row is not None}
+        contents = sorted({c for c, _ in changed})
+        got, _ = self.kv.read_many([f"c/{c}" for c in contents])
+        known = {c for c in contents if got[f"c/{c}"] is not None}
         ops = []
-        for content_id, tier in held:
-            if content_id not in known:
-                continue
-            pinned = content_id in pinned_content_ids
-            row = current.get(f"rw/{worker_id}/{content_id}/{tier}")
-            if row is not None and row.value["pinned"] == pinned:
-                continue
-            value = {"created_at": row.value["created_at"] if row else now, "pinned": pinned}
-            ops += [self.kv.put(k, value) for k in _replica_keys(content_id, worker_id, tier)]
-        # Replicas the worker no longer holds (dropped or moved without telling us); rows
-        # younger than the grace may postdate this heartbeat's inventory.
-        for key, row in current.items():
-            _, _, content_id, tier = key.split("/")
-            if (content_id, tier) not in held and row.value["created_at"] < now - RECONCILE_GRACE_S:
+        for (content_id, tier), pinned in changed.items():
+            if content_id in known:
+                row = recorded.get((content_id, tier))
+                value = {"created_at": row.value["created_at"] if row else now, "pinned": pinned}
+                ops += [self.kv.put(k, value) for k in _replica_keys(content_id, worker_id, tier)]
+        # A row younger than the grace may postdate the inventory (an explicit AddReplica
+        # racing the beat): it stays, and the worker reports it removed again.
+        kept = set()
+        for content_id, tier in removed:
+            row = recorded.get((content_id, tier))
+            if row is not None and row.value["created_at"] >= now - RECONCILE_GRACE_S:
+                kept.add((content_id, tier))
+            elif row is not None:
                 ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
+        # Contents this worker held whose last artifact went since its last beat (a full
+        # inventory's unknown contents include them already).
+        notes = self.kv.range(f"d/{worker_id}/", keys_only=True)
+        gone = [k.split("/", 2)[2] for k in notes if not inventory.is_full]
+        got, _ = self.kv.read_many([f"c/{c}" for c in gone])
+        ops += [self.kv.delete(k) for k in notes]
         self.kv.apply(ops)
-        return sorted({c for c, _ in held} - known)
+        drop = ({c for c, _ in changed} - known) | {c for c in gone if got[f"c/{c}"] is None}
+        return sorted(drop), frozenset(kept)
 
     def list_workers(self, now: float) -> list[WorkerInfo]:
         workers = self.kv.range("w/")
@@ -897,11 +934,13 @@ class EtcdStore:
         return self.kv.optimistic(remove)
 
     def _drop_replicas(self, content_id: str) -> None:
-        """A dropped content's replica rows (a replica added meanwhile is swept later)."""
+        """A dropped content's replica rows (a replica added meanwhile is swept later), noted
+        for their workers' next heartbeats."""
         ops = []
         for key in self.kv.range(f"r/{content_id}/", keys_only=True):
             _, _, worker_id, tier = key.split("/")
             ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
+            ops.append(self.kv.put(f"d/{worker_id}/{content_id}", 1))
         self.kv.apply(ops)
 
     def _expire_one(self, art_id: str, now: float) -> None:
@@ -957,11 +996,23 @@ class EtcdStore:
             self._collect_unreferenced(key[len("unref/") :], now)
 
     def _drop_worker_replicas(self, worker_id: str) -> None:
+        """A dead or leaving worker's rows and notes. Its epoch goes back to 0: back from the
+        dead, it must report everything again."""
         ops = []
         for key in self.kv.range(f"rw/{worker_id}/", keys_only=True):
             _, _, content_id, tier = key.split("/")
             ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
+        ops += [self.kv.delete(k) for k in self.kv.range(f"d/{worker_id}/", keys_only=True)]
         self.kv.apply(ops)
+
+        def reset() -> None:
+            key = f"w/{worker_id}"
+            item = self.kv.get(key)
+            if item is not None and item.value.get("inventory_epoch"):
+                record = dict(item.value, inventory_epoch=0)
+                self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, record)])
+
+        self.kv.optimistic(reset)
 
     def _collect_unreferenced(self, content_id: str, now: float) -> None:
         def collect() -> bool:

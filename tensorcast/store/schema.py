@@ -108,7 +108,16 @@ def _v5(db: sqlite_utils.Database) -> None:
     db.table("file_references").create_index(["host_id"])
 
 
-MIGRATIONS = (_v1, _v2, _v3, _v4, _v5)
+def _v6(db: sqlite_utils.Database) -> None:
+    """Delta heartbeats: the epoch of the inventory the store last applied per worker, and the
+    contents a worker held whose last artifact went (told to it at its next beat)."""
+    db.table("workers").add_column("inventory_epoch", int, not_null_default=0)
+    db.table("replica_drops").create(
+        {"worker_id": str, "content_id": str}, pk=("worker_id", "content_id")
+    )
+
+
+MIGRATIONS = (_v1, _v2, _v3, _v4, _v5, _v6)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

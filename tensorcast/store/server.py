@@ -29,6 +29,7 @@ METRIC_HELP = {
     "tc_store_workers": "registered workers by liveness",
     "tc_store_worker_heartbeat_age_seconds": "time since each worker's last heartbeat",
     "tc_store_worker_pool_bytes": "pool memory per worker and kind (capacity, used)",
+    "tc_store_heartbeats_total": "heartbeats by inventory (full, delta, resync: a delta refused)",
 }
 
 
@@ -117,7 +118,13 @@ def serve(
     server.start()
     metrics = MetricsServer(
         metrics_listen,
-        lambda: _samples(store),
+        lambda: (
+            _samples(store)
+            + [
+                ("tc_store_heartbeats_total", {"inventory": k}, n)
+                for k, n in service.heartbeats.items()
+            ]
+        ),
         METRIC_HELP,
         lambda: (True, {"db": db_path, "schema_version": getattr(store, "schema_version", 0)}),
     )

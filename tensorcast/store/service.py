@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from tensorcast import __version__
@@ -24,6 +25,7 @@ from tensorcast.store.base import (
     Coordination,
     DeleteOp,
     GetOp,
+    Inventory,
     MetadataStore,
     NewArtifact,
     NewReplica,
@@ -48,6 +50,9 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.started_at = time.time()
         self.frame_port = 0  # set by the server once its frame port listens
+        # Heartbeats by what their inventory was: "full", "delta" or "resync" (a delta refused).
+        self.heartbeats = {"full": 0, "delta": 0, "resync": 0}
+        self._heartbeats_lock = threading.Lock()
 
     def Status(self, request, context):
         num_artifacts, num_contents = self.store.counts()
@@ -90,18 +95,27 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
 
     def Heartbeat(self, request, context):
         now = time.time()
-        drop = self.store.heartbeat(
+        inventory = Inventory.of(
+            request.content_ids,
+            request.pinned_content_ids,
+            request.disk_content_ids,
+            request.file_content_ids,
+            epoch=request.inventory_epoch,
+            base_epoch=request.base_epoch,
+            removed=[(r.content_id, r.tier) for r in request.removed],
+        )
+        beat = self.store.heartbeat(
             request.worker_id,
             request.mem_used_bytes,
-            list(request.content_ids),
-            time.time(),
-            frozenset(request.pinned_content_ids),
-            request.active_transfers,
-            frozenset(request.disk_content_ids),
-            request.transfer_bytes_total,
-            request.disk_used_bytes,
-            frozenset(request.file_content_ids),
+            inventory,
+            now,
+            active_transfers=request.active_transfers,
+            transfer_bytes_total=request.transfer_bytes_total,
+            disk_used_bytes=request.disk_used_bytes,
         )
+        kind = "resync" if beat.resync else "full" if inventory.is_full else "delta"
+        with self._heartbeats_lock:
+            self.heartbeats[kind] += 1
         self.coord.renew_shards(
             request.worker_id, [(s.shard, s.token) for s in request.held_shards], now
         )
@@ -109,7 +123,9 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             request.worker_id, [instance_from_pb(i) for i in request.instances], now
         )
         return pb.HeartbeatReply(
-            drop_content_ids=drop, shards=shard_table_to_pb(self.coord.shard_table(now))
+            drop_content_ids=beat.drop_content_ids,
+            shards=shard_table_to_pb(self.coord.shard_table(now)),
+            resync=beat.resync,
         )
 
     def ListWorkers(self, request, context):

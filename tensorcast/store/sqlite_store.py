@@ -34,13 +34,16 @@ from tensorcast.errors import (
 from tensorcast.store.base import (
     DEAD_WORKER_RETENTION_S,
     RECONCILE_GRACE_S,
+    BeatResult,
     ContentInfo,
     GetOp,
+    Inventory,
     NewArtifact,
     NewReplica,
     OpResult,
     PutOp,
     PutResult,
+    ReplicaKey,
     StoreOp,
     WorkerRegistration,
     check_batch,
@@ -269,86 +272,101 @@ class SqliteStore:
     def deregister_worker(self, worker_id: str) -> None:
         with self.transaction():
             self.db.execute("DELETE FROM replicas WHERE worker_id = ?", [worker_id])
+            self.db.execute("DELETE FROM replica_drops WHERE worker_id = ?", [worker_id])
             self.db.execute("DELETE FROM workers WHERE worker_id = ?", [worker_id])
 
     def heartbeat(
         self,
         worker_id: str,
         mem_used_bytes: int,
-        content_ids: list[str],
+        inventory: Inventory,
         now: float,
-        pinned_content_ids: frozenset[str] = frozenset(),
         active_transfers: int = 0,
-        disk_content_ids: frozenset[str] = frozenset(),
         transfer_bytes_total: int = 0,
         disk_used_bytes: int = 0,
-        file_content_ids: frozenset[str] = frozenset(),
-    ) -> list[str]:
-        def beat() -> list[str]:
-            cursor = self.db.execute(
+    ) -> BeatResult:
+        def beat() -> BeatResult:
+            row = self.db.execute(
+                "SELECT inventory_epoch FROM workers WHERE worker_id = ?", [worker_id]
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"worker {worker_id} is not registered")
+            resync = not inventory.is_full and inventory.base_epoch != row[0]
+            self.db.execute(
                 "UPDATE workers SET last_heartbeat = ?, mem_used_bytes = ?, active_transfers = ?, "
-                "transfer_bytes_total = ?, disk_used_bytes = ? WHERE worker_id = ?",
+                "transfer_bytes_total = ?, disk_used_bytes = ?, inventory_epoch = ? "
+                "WHERE worker_id = ?",
                 [
                     now,
                     mem_used_bytes,
                     active_transfers,
                     transfer_bytes_total,
                     disk_used_bytes,
+                    row[0] if resync else inventory.epoch,
                     worker_id,
                 ],
             )
-            if cursor.rowcount == 0:
-                raise NotFound(f"worker {worker_id} is not registered")
-            held = (
-                {(c, "cpu") for c in content_ids}
-                | {(c, "disk") for c in disk_content_ids}
-                | {(c, "file") for c in file_content_ids}
-            )
-            # Write only what changed since the last beat: a worker holding thousands of
-            # contents beats every second, and a statement per content held the store's one
-            # writer for tens of milliseconds each time (every put queued behind it).
+            if resync:
+                return BeatResult([], resync=True)
+            unknown, kept = self._reconcile(worker_id, inventory, now)
+            # Contents this worker held whose last artifact went since its last beat (a full
+            # inventory's unknown contents include them already).
+            gone = [
+                c
+                for (c,) in self.db.execute(
+                    "SELECT content_id FROM replica_drops WHERE worker_id = ? AND content_id NOT "
+                    "IN (SELECT content_id FROM contents)",
+                    [worker_id],
+                )
+                if not inventory.is_full
+            ]
+            self.db.execute("DELETE FROM replica_drops WHERE worker_id = ?", [worker_id])
+            return BeatResult(sorted(unknown | set(gone)), kept=kept)
+
+        return self.write(beat)
+
+    def _reconcile(
+        self, worker_id: str, inventory: Inventory, now: float
+    ) -> tuple[set[str], frozenset[ReplicaKey]]:
+        """Write the replica rows `inventory` changes (a full one's differences from the rows,
+        or a delta's changes); returns the held contents the store does not know and the
+        removals kept for now."""
+        if inventory.is_full:
             recorded = {
-                (c, t): (p, created)
-                for c, t, p, created in self.db.execute(
-                    "SELECT content_id, tier, pinned, created_at FROM replicas WHERE worker_id = ?",
+                (c, t): bool(p)
+                for c, t, p in self.db.execute(
+                    "SELECT content_id, tier, pinned FROM replicas WHERE worker_id = ?",
                     [worker_id],
                 )
             }
-            new = [(c, t) for c, t in held if (c, t) not in recorded]
-            known = {c for c, _ in recorded} | self._known_contents(
-                self.db.conn, list({c for c, _ in new})
-            )
-            self.db.conn.executemany(
-                "INSERT INTO replicas (content_id, worker_id, tier, created_at, pinned) "
-                "VALUES (?, ?, ?, ?, ?)",
-                [
-                    (c, worker_id, t, now, int(c in pinned_content_ids))
-                    for c, t in new
-                    if c in known
-                ],
-            )
-            self.db.conn.executemany(
-                "UPDATE replicas SET pinned = ? "
-                "WHERE worker_id = ? AND content_id = ? AND tier = ?",
-                [
-                    (int(c in pinned_content_ids), worker_id, c, t)
-                    for (c, t), (pinned, _) in recorded.items()
-                    if (c, t) in held and pinned != int(c in pinned_content_ids)
-                ],
-            )
-            # The worker no longer holds these (it dropped or moved them without telling us):
-            # forget them. Rows younger than the grace may postdate this heartbeat's inventory.
-            self.db.conn.executemany(
-                "DELETE FROM replicas WHERE worker_id = ? AND content_id = ? AND tier = ?",
-                [
-                    (worker_id, c, t)
-                    for (c, t), (_, created) in recorded.items()
-                    if (c, t) not in held and created < now - RECONCILE_GRACE_S
-                ],
-            )
-            return sorted({c for c, _ in held} - known)
-
-        return self.write(beat)
+            removed = [key for key in recorded if key not in inventory.held]
+            changed = {k: p for k, p in inventory.held.items() if recorded.get(k) != p}
+        else:
+            removed = [key for key in inventory.removed if key not in inventory.held]
+            changed = dict(inventory.held)
+        known = self._known_contents(self.db.conn, list({c for c, _ in changed}))
+        self.db.conn.executemany(
+            "INSERT INTO replicas (content_id, worker_id, tier, created_at, pinned) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (content_id, worker_id, tier) "
+            "DO UPDATE SET pinned = excluded.pinned",
+            [(c, worker_id, t, now, int(p)) for (c, t), p in changed.items() if c in known],
+        )
+        # A row younger than the grace may postdate the inventory (an explicit AddReplica
+        # racing the beat): it stays, and the worker reports it removed again.
+        self.db.conn.executemany(
+            "DELETE FROM replicas WHERE worker_id = ? AND content_id = ? AND tier = ? "
+            "AND created_at < ?",
+            [(worker_id, c, t, now - RECONCILE_GRACE_S) for c, t in removed],
+        )
+        kept = frozenset(
+            (c, t)
+            for c, t in removed
+            if self.db.conn.execute(
+                "SELECT 1 FROM replicas WHERE worker_id = ? AND content_id = ? AND tier = ?",
+                [worker_id, c, t],
+            ).fetchone()
+        )
+        return {c for c, _ in changed} - known, kept
 
     @staticmethod
     def _known_contents(conn: sqlite3.Connection, content_ids: list[str]) -> set[str]:
@@ -873,6 +891,7 @@ class SqliteStore:
         if not self.db.execute(
             "SELECT 1 FROM artifacts WHERE content_id = ? LIMIT 1", [content_id]
         ).fetchone():
+            self._note_drops("content_id = ?", [content_id])
             self.db.execute("DELETE FROM replicas WHERE content_id = ?", [content_id])
             self.db.execute("DELETE FROM file_references WHERE content_id = ?", [content_id])
             self.db.execute("DELETE FROM contents WHERE content_id = ?", [content_id])
@@ -887,23 +906,38 @@ class SqliteStore:
             self.db.execute("DELETE FROM artifacts WHERE art_id = ?", [art_id])
             self._drop_if_unreferenced(content_id)
 
+    def _note_drops(self, where: str, args: list) -> None:
+        """Before replica rows `where` go with their content: note them for their workers'
+        next beats (a delta inventory does not list what a worker keeps holding)."""
+        self.db.execute(
+            "INSERT OR IGNORE INTO replica_drops (worker_id, content_id) "
+            f"SELECT DISTINCT worker_id, content_id FROM replicas WHERE {where}",
+            args,
+        )
+
     def sweep(self, now: float) -> None:
         with self.transaction():
             self._expire(now)
             dead_before = now - self.heartbeat_ttl_s
+            dead = "SELECT worker_id FROM workers WHERE last_heartbeat < ?"
+            self.db.execute(f"DELETE FROM replicas WHERE worker_id IN ({dead})", [dead_before])
+            self.db.execute(f"DELETE FROM replica_drops WHERE worker_id IN ({dead})", [dead_before])
+            # Their rows are gone: a worker back from the dead must report everything again.
             self.db.execute(
-                "DELETE FROM replicas WHERE worker_id IN "
-                "(SELECT worker_id FROM workers WHERE last_heartbeat < ?)",
+                "UPDATE workers SET inventory_epoch = 0 WHERE last_heartbeat < ? "
+                "AND inventory_epoch != 0",
                 [dead_before],
             )
             self.db.execute(
                 "DELETE FROM workers WHERE last_heartbeat < ?", [now - DEAD_WORKER_RETENTION_S]
             )
+            unreferenced = (
+                "content_id IN (SELECT content_id FROM contents c WHERE created_at < ? AND NOT "
+                "EXISTS (SELECT 1 FROM artifacts a WHERE a.content_id = c.content_id))"
+            )
+            self._note_drops(unreferenced, [now - self.unreferenced_grace_s])
             self.db.execute(
-                "DELETE FROM replicas WHERE content_id IN (SELECT content_id FROM contents c "
-                "WHERE created_at < ? AND NOT EXISTS "
-                "(SELECT 1 FROM artifacts a WHERE a.content_id = c.content_id))",
-                [now - self.unreferenced_grace_s],
+                f"DELETE FROM replicas WHERE {unreferenced}", [now - self.unreferenced_grace_s]
             )
             self.db.execute(
                 "DELETE FROM contents WHERE created_at < ? AND NOT EXISTS "

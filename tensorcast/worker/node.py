@@ -32,12 +32,13 @@ from tensorcast.rpc.convert import (
     tensors_from_pb,
 )
 from tensorcast.rpc.frames import StoreClient
-from tensorcast.store.base import member
+from tensorcast.store.base import Inventory, ReplicaKey, member
 from tensorcast.types import ArtifactInfo, Committed, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.file_refs import FileReference, FileReferences, describe
 from tensorcast.worker.handoff import hand_off
 from tensorcast.worker.instances import Instances
+from tensorcast.worker.inventory import InventoryReporter, beat_result, inventory_fields
 from tensorcast.worker.leases import LeaseCache
 from tensorcast.worker.pages import PageStore
 from tensorcast.worker.pool import Content, Pool, Reservation
@@ -68,6 +69,7 @@ class WorkerNode:
         self.pool = pool
         self.disk = disk
         self.references = FileReferences()
+        self.inventory = InventoryReporter()
         # One load per content at a time, through a fixed set of locks (bounded memory).
         self._load_locks = [threading.Lock() for _ in range(LOAD_LOCKS)]
         self.worker_id = uuid.uuid4().hex[:12]
@@ -541,35 +543,56 @@ class WorkerNode:
         stats = self.pool.stats()
         sent_at = time.time()
         sent_mono = time.monotonic()
-        held = self.leases.held()
-        request = pb.HeartbeatRequest(
-            worker_id=self.worker_id,
-            mem_used_bytes=stats.used_bytes,
-            content_ids=stats.content_ids,
-            pinned_content_ids=stats.pinned_content_ids,
-            active_transfers=self.active_transfers(),
-            disk_content_ids=self.disk.content_ids() if self.disk else [],
-            transfer_bytes_total=self.transfer_bytes_total(),
-            disk_used_bytes=self.disk.used_bytes() if self.disk else 0,
-            held_shards=[pb.ShardLease(shard=s, token=t) for s, t in held.items()],
-            instances=[instance_to_pb(i) for i in self.instances.infos()],
-            file_content_ids=self.references.content_ids(),
+        held = dict(
+            Inventory.of(
+                stats.content_ids,
+                stats.pinned_content_ids,
+                self.disk.content_ids() if self.disk else [],
+                self.references.content_ids(),
+            ).held
         )
-        try:
-            reply = self.store.call("Heartbeat", request)
-        except NotFound:
-            log.warning("global store does not know this worker; registering again")
-            self.register()
-            reply = self.store.call("Heartbeat", request)
+        reply = self._beat(held, stats.used_bytes, sent_mono)
         self.last_heartbeat_ok = time.monotonic()
         self._take_shard_table(reply.shards, sent_mono)
         for content_id in reply.drop_content_ids:
             if self.pool.drop(content_id, unless_committed_after=sent_at):
                 log.info("dropped content %s (no artifact references it)", content_id)
-            if self.disk is not None and content_id in request.disk_content_ids:
+            if self.disk is not None and (content_id, "disk") in held:
                 self.disk.delete(content_id)
             if self.references.remove(content_id, unless_added_after=sent_at):
                 log.info("forgot file reference %s (no artifact references it)", content_id)
+
+    def _beat(self, held: dict[ReplicaKey, bool], used_bytes: int, now: float) -> pb.HeartbeatReply:
+        """One Heartbeat call carrying what changed since the store's acknowledged inventory;
+        the whole inventory at once when the store asks for it or forgot this worker."""
+        registered = False
+        while True:  # at most 3 calls: a full inventory is never refused, NotFound once
+            inventory = self.inventory.report(held, now)
+            shards = self.leases.held()
+            request = pb.HeartbeatRequest(
+                worker_id=self.worker_id,
+                mem_used_bytes=used_bytes,
+                active_transfers=self.active_transfers(),
+                transfer_bytes_total=self.transfer_bytes_total(),
+                disk_used_bytes=self.disk.used_bytes() if self.disk else 0,
+                held_shards=[pb.ShardLease(shard=s, token=t) for s, t in shards.items()],
+                instances=[instance_to_pb(i) for i in self.instances.infos()],
+                **inventory_fields(inventory),
+            )
+            try:
+                reply = self.store.call("Heartbeat", request)
+            except NotFound:
+                if registered:
+                    raise
+                log.warning("global store does not know this worker; registering again")
+                self.register()
+                self.inventory.forget()
+                registered = True
+                continue
+            result = beat_result(reply)
+            self.inventory.answered(inventory, held, result, now)
+            if not result.resync:
+                return reply
 
     def refresh_leases(self, wanted: set[tuple[int, int]] | None = None) -> None:
         """Fetch the lease table now: a page operation named (shard, token)s newer than ours
