@@ -445,7 +445,7 @@ def test_full_queue_is_resource_exhausted(monkeypatch):
 
 
 def test_shared_prefixes_through_tensorcast_pages(cluster):
-    from tensorcast.engine.kv_share import TensorCastKVStore
+    from tensorcast.engine.kv_share import TensorCastKVStore, open_store
 
     rt = cluster.connect()
     writer_store, reader_store = TensorCastKVStore(rt), TensorCastKVStore(rt)
@@ -460,6 +460,11 @@ def test_shared_prefixes_through_tensorcast_pages(cluster):
         assert job.fetched_tokens == len(keys) * 8
         assert job.cached_tokens == len(keys) * 8
         assert b.counters["fetched_tokens"] == len(keys) * 8
+        # Under another prefix (another benchmark run) none of it is there; under the same, all.
+        other, same = open_store("tensorcast?prefix=run-2/", rt), open_store("tensorcast", rt)
+        assert not any(other.exists(keys)) and all(same.exists(keys))
+        other.close()
+        same.close()
     finally:
         a.close()
         b.close()

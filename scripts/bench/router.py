@@ -3,10 +3,15 @@
 TensorCast's `rebalance` router against the SGLang model gateway.
 
 Setup (all on 127.0.0.1, started in a temporary state dir, always stopped):
-  - a TensorCast cluster: Global Store + 2 workers (1 GiB pools); two netns hosts are not built
-    here (the instances share one host);
+  - a TensorCast cluster: Global Store + 2 workers (1 GiB pools);
   - 4 emulated-engine instances (`tc instance start --engine sim`, 2 per worker), started fresh
     for every run (empty caches), `--time-scale C` = the workload's time compression;
+  - `--hosts 2` (root): two hosts = two network namespaces joined by a bridge (tests/netns.py),
+    a worker and two instances in each; the Global Store, Mooncake's master, Redis, the router
+    or gateway and the client on the bridge (the root namespace). Migrations, TensorCast pages
+    of the other host's home and Mooncake reads from the other host's segment then cross the
+    veth, as KV crosses the network between the paper's nodes; `--rate` shapes each host's
+    egress (tbf) so that the link, not these two shared cores, bounds it;
   - one router per run:
       gw-p2c             SGLang gateway (`sglang_router.launch_router`) --policy power_of_two
       gw-cache           SGLang gateway --policy cache_aware
@@ -59,6 +64,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import netns
 from kv_baselines import (
     LOOPBACK,
     Skip,
@@ -98,6 +105,29 @@ class Bench:
     instances: int
     tick_s: float
     procs: list[subprocess.Popen] = field(default_factory=list)
+    netns_cluster: netns.NetnsCluster | None = None  # --hosts 2
+
+    @property
+    def server_ip(self) -> str:
+        """Where the shared servers listen: reachable from every host."""
+        return self.netns_cluster.network.bridge_ip if self.netns_cluster else LOOPBACK
+
+    def cluster_args(self) -> list[str]:
+        if self.netns_cluster:
+            return ["--addr", self.netns_cluster.store_addr]
+        return ["--state-dir", str(self.state_dir)]
+
+    def env(self) -> dict[str, str] | None:
+        if self.netns_cluster:
+            return {**os.environ, "TC_TOKEN": self.netns_cluster.token}
+        return None
+
+    def placement(self, i: int) -> tuple[list[str], str, str]:
+        """Instance i's command prefix, worker and listen address (2 per worker)."""
+        if self.netns_cluster is None:
+            return [], f"worker-{i % 2 + 1}", f"{LOOPBACK}:0"
+        ns = list(self.netns_cluster.network.hosts)[i % 2]
+        return ["ip", "netns", "exec", ns], ns, f"{self.netns_cluster.network.hosts[ns]}:0"
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> Any:
@@ -152,13 +182,19 @@ def sim_instances(b: Bench, compression: float, kv_share: str, tag: str) -> Iter
             ready = b.state_dir / f"sim-{i + 1}.ready"
             ready.unlink(missing_ok=True)
             readies.append(ready)
-            cmd = tc_cmd(
+            prefix, worker, listen = b.placement(i)
+            share = kv_share
+            if kv_share.startswith("mooncake://"):  # its segment served from the instance's host
+                share += f"&hostname={listen.rpartition(':')[0]}"
+            cmd = prefix + tc_cmd(
                 "instance",
                 "start",
                 "--engine",
                 "sim",
                 "--worker",
-                f"worker-{i % 2 + 1}",
+                worker,
+                "--listen",
+                listen,
                 "--id",
                 f"sim-{i + 1}",
                 "--time-scale",
@@ -170,13 +206,13 @@ def sim_instances(b: Bench, compression: float, kv_share: str, tag: str) -> Iter
                 "--load-interval",
                 "0.1",
                 "--kv-share",
-                kv_share,
+                share,
                 "--ready-file",
                 str(ready),
-                "--state-dir",
-                str(b.state_dir),
+                *b.cluster_args(),
             )
-            procs.append(stack.enter_context(started(cmd, b.logs / f"{tag}-sim-{i + 1}.log")))
+            log = b.logs / f"{tag}-sim-{i + 1}.log"
+            procs.append(stack.enter_context(started(cmd, log, b.env())))
         for proc, ready in zip(procs, readies):
             wait_for(lambda p=proc, r=ready: r.exists() or p.poll() is not None, 90, "sims")
             if proc.poll() is not None:
@@ -240,10 +276,9 @@ def tc_router(b: Bench, tag: str) -> Iterator[str]:
         "30",
         "--ready-file",
         str(ready),
-        "--state-dir",
-        str(b.state_dir),
+        *b.cluster_args(),
     )
-    with started(cmd, b.logs / f"{tag}-router.log") as proc:
+    with started(cmd, b.logs / f"{tag}-router.log", b.env()) as proc:
         wait_for(lambda: ready.exists() or proc.poll() is not None, 60, "tc router")
         if proc.poll() is not None:
             raise RuntimeError(f"tc router exited: {_tail(b.logs / f'{tag}-router.log')}")
@@ -259,32 +294,30 @@ def tc_router(b: Bench, tag: str) -> Iterator[str]:
 @contextlib.contextmanager
 def mooncake(b: Bench, tag: str) -> Iterator[str]:
     master_bin = _mooncake_master_binary()
+    ip = b.server_ip
     rpc, http_port, metrics = free_port(), free_port(), free_port()
     cmd = [
         master_bin,
-        f"--rpc_address={LOOPBACK}",
+        f"--rpc_address={ip}",
         f"--rpc_port={rpc}",
         "--enable_http_metadata_server=true",
-        f"--http_metadata_server_host={LOOPBACK}",
+        f"--http_metadata_server_host={ip}",
         f"--http_metadata_server_port={http_port}",
-        f"--metrics_host={LOOPBACK}",
+        f"--metrics_host={ip}",
         f"--metrics_port={metrics}",
         "--logtostderr",
     ]
     env = {**os.environ, "GLOG_minloglevel": "1"}
     with started(cmd, b.logs / f"{tag}-mooncake.log", env) as proc:
         wait_for(
-            lambda: (
-                proc.poll() is not None
-                or (_accepts(LOOPBACK, rpc) and _accepts(LOOPBACK, http_port))
-            ),
+            lambda: proc.poll() is not None or (_accepts(ip, rpc) and _accepts(ip, http_port)),
             30,
             "mooncake_master",
         )
         if proc.poll() is not None:
             raise RuntimeError(f"mooncake_master exited: {_tail(b.logs / f'{tag}-mooncake.log')}")
         yield (
-            f"mooncake://{LOOPBACK}:{rpc}?metadata=http://{LOOPBACK}:{http_port}/metadata"
+            f"mooncake://{ip}:{rpc}?metadata=http://{ip}:{http_port}/metadata"
             f"&segment_bytes={256 << 20}"
         )
 
@@ -298,7 +331,7 @@ def redis_server(b: Bench, tag: str) -> Iterator[str]:
     cmd = [
         binary,
         "--bind",
-        LOOPBACK,
+        b.server_ip,
         "--port",
         str(port),
         "--save",
@@ -311,8 +344,8 @@ def redis_server(b: Bench, tag: str) -> Iterator[str]:
         "allkeys-lru",
     ]
     with started(cmd, b.logs / f"{tag}-redis.log"):
-        wait_for(lambda: _accepts(LOOPBACK, port), 20, "redis-server")
-        yield f"redis://{LOOPBACK}:{port}"
+        wait_for(lambda: _accepts(b.server_ip, port), 20, "redis-server")
+        yield f"redis://{b.server_ip}:{port}"
 
 
 # -- the client ----------------------------------------------------------------------------------
@@ -463,7 +496,9 @@ def one_run(
         if router.endswith("+mooncake"):
             share = stack.enter_context(mooncake(b, tag))
         elif router.endswith("+tensorcast"):
-            share = "tensorcast"
+            # Pages outlive a run in the cluster: each run its own keys, as each run of the
+            # other stores gets a fresh server (the same seed repeats the same prompts).
+            share = f"tensorcast?prefix={tag}/"
         elif router.endswith("+redis"):
             share = stack.enter_context(redis_server(b, tag))
         endpoints = stack.enter_context(sim_instances(b, compression, share, tag))
@@ -586,6 +621,8 @@ def main() -> None:
     parser.add_argument("--tick", type=float, default=0.25, help="rebalance tick, seconds")
     parser.add_argument("--plots", type=Path, default=None, help="write PNG plots here")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="2: two netns hosts")
+    parser.add_argument("--rate", default="", help="--hosts 2: tbf rate of each host's egress")
     args = parser.parse_args()
     presets = args.presets.split(",")
     loads = [int(x) for x in args.sessions.split(",")]
@@ -613,8 +650,23 @@ def main() -> None:
     )
     runs: list[dict] = []
     skipped: dict[str, str] = {}
-    local_cluster.up(b.state_dir, 2, "1GiB")
+    if args.hosts == 2:
+        reason = netns.unavailable_reason()
+        if reason:
+            print(json.dumps({"bench": "router", "skipped": f"--hosts 2: {reason}"}))
+            return
+        tag = os.getpid() % 100_000
+        network = netns.Network((f"rta{tag}", f"rtb{tag}"), f"rtbr{tag}", 100 + tag % 150)
+        network.setup()
+        b.state_dir.mkdir(parents=True)
+        b.netns_cluster = netns.NetnsCluster(b.state_dir, "bench-router-token", network=network)
     try:
+        if b.netns_cluster is not None:
+            for ns in b.netns_cluster.network.hosts if args.rate else ():
+                b.netns_cluster.network.limit_rate(ns, args.rate)
+            b.netns_cluster.start("1GiB")  # the store on the bridge, a worker on each host
+        else:
+            local_cluster.up(b.state_dir, 2, "1GiB")
         for rep in range(args.runs):
             seed = args.seed + rep
             for preset in presets:
@@ -631,7 +683,11 @@ def main() -> None:
                         runs.append(result)
                         print(json.dumps(result), file=sys.stderr, flush=True)
     finally:
-        local_cluster.down(b.state_dir)
+        if b.netns_cluster is not None:
+            b.netns_cluster.stop()
+            b.netns_cluster.network.teardown()
+        else:
+            local_cluster.down(b.state_dir)
     summary = summarize(runs)
     heaviest = {
         p: {
@@ -648,7 +704,7 @@ def main() -> None:
         "heaviest_sessions": max(loads),
         "heaviest_ttft_p50_ms": heaviest,
         "config": {k: v for k, v in vars(args).items() if k not in ("plots",)}
-        | {"compression": COMPRESSION, "instances": 4, "workers": 2},
+        | {"compression": COMPRESSION, "instances": 4, "workers": 2, "hosts": args.hosts},
         "skipped": skipped,
         "summary": summary,
         "runs": runs,

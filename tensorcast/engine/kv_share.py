@@ -91,23 +91,27 @@ class KVStore:
 
 
 class TensorCastKVStore(KVStore):
-    """Blocks as TensorCast KV pages (U8), leased for `ttl_s`."""
+    """Blocks as TensorCast KV pages (U8), leased for `ttl_s`, under `prefix` (instances share
+    what they write under the same prefix; a benchmark gives each run its own, so that a run
+    never reads what an earlier run of the same workload left in the cluster)."""
 
     name = "tensorcast"
 
-    def __init__(self, rt: Any, ttl_s: float = 600.0) -> None:
+    def __init__(self, rt: Any, ttl_s: float = 600.0, prefix: str = "") -> None:
         self.pages = rt.pages()
         self.ttl_s = ttl_s
+        self.prefix = prefix
         super().__init__()
 
     def _exists(self, keys: list[str]) -> list[bool]:
-        return list(self.pages.exists_pages(keys))
+        return list(self.pages.exists_pages([self.prefix + k for k in keys]))
 
     def _get(self, keys: list[str]) -> list[bytes | None]:
-        return [None if p is None else bytes(p.data) for p in self.pages.get_pages(keys)]
+        pages = self.pages.get_pages([self.prefix + k for k in keys])
+        return [None if p is None else bytes(p.data) for p in pages]
 
     def _put(self, items: dict[str, bytes]) -> None:
-        self.pages.put_pages(items, self.ttl_s)
+        self.pages.put_pages({self.prefix + k: v for k, v in items.items()}, self.ttl_s)
 
 
 class RedisKVStore(KVStore):
@@ -179,24 +183,34 @@ class MooncakeKVStore(KVStore):
             self.store.close()
 
 
+def _query(query: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+
+
 def open_store(spec: str, rt: Any = None) -> KVStore | None:
-    """`none`, `tensorcast`, `redis://HOST:PORT`, or `mooncake://MASTER?metadata=URL`."""
+    """`none`, `tensorcast` (`tensorcast?prefix=P`: keys under P), `redis://HOST:PORT`, or
+    `mooncake://MASTER?metadata=URL` (also `&segment_bytes=N`, `&hostname=IP`: the address
+    this instance serves its segment on)."""
     if spec in ("", "none"):
         return None
-    if spec == "tensorcast":
+    if spec == "tensorcast" or spec.startswith("tensorcast?"):
         if rt is None:
             raise InvalidArgument("the tensorcast shared store needs a cluster runtime")
-        return TensorCastKVStore(rt)
+        params = _query(spec.partition("?")[2])
+        return TensorCastKVStore(rt, prefix=params.get("prefix", ""))
     if spec.startswith("redis://"):
         return RedisKVStore(spec)
     if spec.startswith("mooncake://"):
         rest = spec.removeprefix("mooncake://")
         master, _, query = rest.partition("?")
-        params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+        params = _query(query)
         if "metadata" not in params:
             raise InvalidArgument("mooncake://MASTER?metadata=URL needs the metadata server URL")
         return MooncakeKVStore(
-            master, params["metadata"], int(params.get("segment_bytes", 256 << 20))
+            master,
+            params["metadata"],
+            int(params.get("segment_bytes", 256 << 20)),
+            hostname=params.get("hostname", "127.0.0.1"),
         )
     raise InvalidArgument(
         f"unknown shared KV store {spec!r}: use none, tensorcast, redis://HOST:PORT or "
