@@ -106,6 +106,7 @@ class Bench:
     tick_s: float
     procs: list[subprocess.Popen] = field(default_factory=list)
     netns_cluster: netns.NetnsCluster | None = None  # --hosts 2
+    router_args: list[str] = field(default_factory=list)  # more `tc router start` options
 
     @property
     def server_ip(self) -> str:
@@ -277,6 +278,7 @@ def tc_router(b: Bench, tag: str) -> Iterator[str]:
         "--ready-file",
         str(ready),
         *b.cluster_args(),
+        *b.router_args,
     )
     with started(cmd, b.logs / f"{tag}-router.log", b.env()) as proc:
         wait_for(lambda: ready.exists() or proc.poll() is not None, 60, "tc router")
@@ -623,6 +625,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="2: two netns hosts")
     parser.add_argument("--rate", default="", help="--hosts 2: tbf rate of each host's egress")
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="one more `tc router start` option for tc-rebalance (repeatable), e.g. "
+        "--router-arg=--theta-abs=4",
+    )
     args = parser.parse_args()
     presets = args.presets.split(",")
     loads = [int(x) for x in args.sessions.split(",")]
@@ -647,6 +656,7 @@ def main() -> None:
         args.cache_tokens,
         4,
         args.tick,
+        router_args=args.router_arg,
     )
     runs: list[dict] = []
     skipped: dict[str, str] = {}
