@@ -371,3 +371,41 @@ def test_heartbeats_send_what_changed_and_the_store_keeps_up(fresh_cluster):
         wait_until(lambda: worker_contents(rt) == held - 1, 10)  # beats: every 0.2 s
         assert [r.worker_id for r in rt.info("inv/002").replicas] == [worker.worker_id]
         assert torch.equal(rt.artifact("inv/199").tensor_dict()["w"], torch.full((16,), 199.0))
+
+
+def test_the_store_answers_a_beat_with_the_removals_it_kept(rt):
+    """A replica row younger than the store's grace outlives a beat that no longer lists it
+    (it may postdate the inventory): the store's answer says so, over the wire, so that the
+    worker reports the removal again (decision 85)."""
+    from tensorcast.proto import tensorcast_pb2 as pb
+
+    worker_id = "kept-beat-worker"
+    rt.store.call(
+        "RegisterWorker",
+        pb.RegisterWorkerRequest(
+            worker=pb.Worker(worker_id=worker_id, name=worker_id, addr="127.0.0.1:1")
+        ),
+    )
+    try:
+        tensor = pb.TensorMeta(name="w", dtype="U8", shape=[4], size_bytes=4)
+        for content_id in ("kept-c1", "kept-c2"):
+            rt.store.call(
+                "AddReplica",
+                pb.AddReplicaRequest(
+                    worker_id=worker_id, content_id=content_id, size_bytes=4, tensors=[tensor]
+                ),
+            )
+        full = pb.HeartbeatRequest(worker_id=worker_id, content_ids=["kept-c1"], inventory_epoch=1)
+        reply = rt.store.call("Heartbeat", full)
+        assert not reply.resync
+        assert [(r.content_id, r.tier) for r in reply.kept] == [("kept-c2", "cpu")]
+        delta = pb.HeartbeatRequest(
+            worker_id=worker_id,
+            inventory_epoch=2,
+            base_epoch=1,
+            removed=[pb.ReplicaRef(content_id="kept-c2", tier="cpu")],
+        )
+        reply = rt.store.call("Heartbeat", delta)
+        assert [(r.content_id, r.tier) for r in reply.kept] == [("kept-c2", "cpu")]
+    finally:
+        rt.store.call("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=worker_id))

@@ -249,6 +249,68 @@ def test_a_worker_is_told_once_to_drop_what_lost_its_last_artifact(records):
     assert _rows(store, "w1", ["c2", "c3"], 100.6) == {"c2": False, "c3": False}
 
 
+def _etcd_store(endpoint: str):
+    store, _ = open_backend(
+        None, [endpoint], TTL, 4, GRACE, etcd_prefix=f"/contract-{next(_prefixes)}/"
+    )
+    return store
+
+
+def test_etcd_a_full_inventory_removes_rows_of_contents_gone_meanwhile(etcd_endpoint):
+    """etcd has no one writer: a replica row can land after its content's last artifact went
+    and its drop notes were written (AddReplica racing the delete). Deltas never mention it;
+    the next full inventory removes the row and tells the worker to drop the bytes."""
+    from tensorcast.store.etcd_store import _replica_keys
+
+    store = _etcd_store(etcd_endpoint)
+    try:
+        _worker(store, "w1", 100.0)
+        _content(store, "w1", "c1", 100.0)
+        store.create_artifact("a-c1", "c1", "system", 0, "", 100.0)
+        store.heartbeat("w1", 0, Inventory.of(["c1"], epoch=1), 100.1)
+        store.delete_artifacts(["a-c1"], 100.2)
+        assert store.heartbeat("w1", 0, Inventory(epoch=2, base_epoch=1), 100.3).drop_content_ids
+        row = {"created_at": 100.25, "pinned": False}  # the racing AddReplica's row
+        store.kv.apply([store.kv.put(k, row) for k in _replica_keys("c1", "w1", "cpu")])
+        assert (
+            store.heartbeat("w1", 0, Inventory(epoch=3, base_epoch=2), 100.4).drop_content_ids == []
+        )
+        full = store.heartbeat("w1", 0, Inventory.of(["c1"], epoch=4), 100.5)
+        assert (full.drop_content_ids, full.resync) == (["c1"], False)
+        assert store.kv.range("rw/w1/") == {} and store.kv.range("r/c1/") == {}
+    finally:
+        store.close()
+
+
+def test_etcd_a_delta_that_lost_a_race_for_the_epoch_asks_for_everything(etcd_endpoint):
+    """Two beats of one worker in flight at once (a retried one): the delta whose epoch was
+    moved under it is applied, maybe out of order, so the answer is resync and the worker's
+    next beat is its whole inventory."""
+    store = _etcd_store(etcd_endpoint)
+    try:
+        _worker(store, "w1", 100.0)
+        for c in ("c1", "c2"):
+            _content(store, "w1", c, 100.0)
+            store.create_artifact(f"a-{c}", c, "system", 0, "", 100.0)
+        store.heartbeat("w1", 0, Inventory.of(["c1", "c2"], epoch=1), 100.1)
+        store.delete_artifacts(["a-c2"], 100.2)
+        reconcile = store._reconcile
+
+        def racing(worker_id, inventory, now):
+            out = reconcile(worker_id, inventory, now)
+            if inventory.epoch == 2:  # another beat lands between this one's read and write
+                store.heartbeat("w1", 0, Inventory.of(["c1", "c2"], epoch=3), now)
+            return out
+
+        store._reconcile = racing
+        result = store.heartbeat("w1", 0, Inventory(epoch=2, base_epoch=1), 100.3)
+        assert result.resync and result.drop_content_ids == ["c2"]
+        assert store.kv.get("w/w1").value["inventory_epoch"] == 3  # the other beat's
+        assert not store.kv.range("d/w1/")  # the notes went once the beat was recorded
+    finally:
+        store.close()
+
+
 def test_reference_hashes_are_filled_once_then_checked(records):
     store, _ = records
     _worker(store, "w", 100.0)

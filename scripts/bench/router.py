@@ -41,6 +41,7 @@ over repetitions and every run.
     scripts/install-baselines.sh                     # SGLang gateway, Mooncake, Redis
     python scripts/bench/router.py --quick           # ~6-7 min: heaviest load per preset
     python scripts/bench/router.py --runs 5 --plots docs/
+    python scripts/bench/router.py --replot a.err b.err --plots docs/   # tables/plots of saved runs
 """
 
 from __future__ import annotations
@@ -607,6 +608,45 @@ def plot(summary: list[dict], out_dir: Path) -> list[str]:
     return written
 
 
+def print_table(summary: list[dict]) -> None:
+    head = f"{'preset':7} {'sess':>4} {'router':23} {'p50 ms':>9} {'p90 ms':>9} {'hit':>6} "
+    print(head + f"{'migr':>5} {'moved MiB':>9} {'reqs':>5} {'err':>4}")
+    for s in summary:
+        print(
+            f"{s['preset']:7} {s['sessions']:4d} {s['router']:23} {s['ttft_p50_ms']:9.1f} "
+            f"{s['ttft_p90_ms']:9.1f} {s['hit_rate']:6.3f} {s['migrations']:5} "
+            f"{s['moved_mib']:9.2f} {s['requests']:5} {s['errors']:4}"
+        )
+
+
+def saved_runs(paths: list[Path]) -> list[dict]:
+    """Runs saved by earlier invocations: per-run lines (stderr) or final records (stdout).
+    A run found twice (a record and its own stderr line) counts once."""
+    runs: dict[str, dict] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if not line.startswith("{"):
+                continue
+            data = json.loads(line)
+            for run in data.get("runs", [data]):
+                if {"router", "preset", "sessions", "seed", "ttft_p50_ms"} <= run.keys():
+                    runs[json.dumps(run, sort_keys=True)] = run
+    return list(runs.values())
+
+
+def replot(paths: list[Path], plots: Path | None) -> None:
+    runs = saved_runs(paths)
+    if not runs:
+        sys.exit(f"no router runs in {', '.join(map(str, paths))}")
+    summary = summarize(runs)
+    record: dict[str, Any] = {"bench": "router", "replot": [str(p) for p in paths]}
+    record["summary"] = summary
+    if plots is not None:
+        record["plots"] = plot(summary, plots)
+    print(json.dumps(record, default=str))
+    print_table(summary)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="heaviest load per preset, 1 run")
@@ -626,6 +666,15 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="2: two netns hosts")
     parser.add_argument("--rate", default="", help="--hosts 2: tbf rate of each host's egress")
     parser.add_argument(
+        "--replot",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run nothing: summarize (and with --plots draw) the runs saved in FILEs (a run's "
+        "stderr lines or its final JSON record), e.g. several sets of cold runs together",
+    )
+    parser.add_argument(
         "--router-arg",
         action="append",
         default=[],
@@ -633,6 +682,9 @@ def main() -> None:
         "--router-arg=--theta-abs=4",
     )
     args = parser.parse_args()
+    if args.replot is not None:
+        replot(args.replot, args.plots)
+        return
     presets = args.presets.split(",")
     loads = [int(x) for x in args.sessions.split(",")]
     routers = args.routers.split(",")
@@ -722,14 +774,7 @@ def main() -> None:
     if args.plots is not None and summary:
         record["plots"] = plot(summary, args.plots)
     print(json.dumps(record, default=str))
-    head = f"{'preset':7} {'sess':>4} {'router':18} {'p50 ms':>9} {'p90 ms':>9} {'hit':>6} "
-    print(head + f"{'migr':>5} {'moved MiB':>9} {'reqs':>5} {'err':>4}")
-    for s in summary:
-        print(
-            f"{s['preset']:7} {s['sessions']:4d} {s['router']:18} {s['ttft_p50_ms']:9.1f} "
-            f"{s['ttft_p90_ms']:9.1f} {s['hit_rate']:6.3f} {s['migrations']:5} "
-            f"{s['moved_mib']:9.2f} {s['requests']:5} {s['errors']:4}"
-        )
+    print_table(summary)
     for router, why in skipped.items():
         print(f"skipped {router}: {why}")
     shutil.rmtree(tmp, ignore_errors=True)

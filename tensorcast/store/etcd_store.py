@@ -231,15 +231,21 @@ class EtcdStore:
             raise NotFound(f"worker {worker_id} is not registered")
         base = item.value.get("inventory_epoch", 0)
         resync = not inventory.is_full and inventory.base_epoch != base
-        drop, kept = ([], frozenset()) if resync else self._reconcile(worker_id, inventory, now)
+        drop: list[str] = []
+        kept: frozenset[ReplicaKey] = frozenset()
+        notes: list[str] = []
+        if not resync:
+            drop, kept, notes = self._reconcile(worker_id, inventory, now)
 
-        def beat() -> None:
+        def beat() -> bool:
             item = self.kv.get(key)
             if item is None:
                 raise NotFound(f"worker {worker_id} is not registered")
             # A sweep that took this worker's rows meanwhile reset its epoch: it stays reset.
+            # So does an epoch another beat of this worker (a retried one) moved meanwhile.
             epoch = item.value.get("inventory_epoch", 0)
-            if not resync and epoch == base:
+            advanced = not resync and epoch == base
+            if advanced:
                 epoch = inventory.epoch
             record = dict(
                 item.value,
@@ -251,16 +257,22 @@ class EtcdStore:
                 inventory_epoch=epoch,
             )
             self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, record)])
+            return advanced
 
-        self.kv.optimistic(beat)
+        advanced = self.kv.optimistic(beat)
+        # The drop notes go once the beat is recorded: if recording fails they are sent again.
+        self.kv.apply([self.kv.delete(k) for k in notes])
+        # A delta applied while the epoch moved under it may have landed out of order with
+        # another beat's: the worker sends everything next (a full inventory is never refused).
+        resync = resync or (not advanced and not inventory.is_full)
         return BeatResult(drop, resync=resync, kept=kept)
 
     def _reconcile(
         self, worker_id: str, inventory: Inventory, now: float
-    ) -> tuple[list[str], frozenset[ReplicaKey]]:
+    ) -> tuple[list[str], frozenset[ReplicaKey], list[str]]:
         """Write the replica rows `inventory` changes (a full one's differences from the rows,
-        or a delta's changes); returns the contents the worker should drop and the removals
-        kept for now."""
+        or a delta's changes); returns the contents the worker should drop, the removals kept
+        for now and the drop notes read (to delete once the beat is recorded)."""
         held = inventory.held
         if inventory.is_full:
             rows = self.kv.range(f"rw/{worker_id}/")
@@ -276,7 +288,9 @@ class EtcdStore:
             changed = dict(held)
             got, _ = self.kv.read_many([f"rw/{worker_id}/{c}/{t}" for c, t in [*changed, *removed]])
             recorded = {tuple(k.split("/")[2:4]): row for k, row in got.items() if row is not None}
-        contents = sorted({c for c, _ in changed})
+        # A full inventory checks every held content: a replica row added while the content's
+        # last artifact went (etcd has no one writer to order them) is found and removed here.
+        contents = sorted({c for c, _ in (held if inventory.is_full else changed)})
         got, _ = self.kv.read_many([f"c/{c}" for c in contents])
         known = {c for c in contents if got[f"c/{c}"] is not None}
         ops = []
@@ -285,6 +299,9 @@ class EtcdStore:
                 row = recorded.get((content_id, tier))
                 value = {"created_at": row.value["created_at"] if row else now, "pinned": pinned}
                 ops += [self.kv.put(k, value) for k in _replica_keys(content_id, worker_id, tier)]
+        for content_id, tier in held:
+            if content_id not in known and (content_id, tier) in recorded:
+                ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
         # A row younger than the grace may postdate the inventory (an explicit AddReplica
         # racing the beat): it stays, and the worker reports it removed again.
         kept = set()
@@ -299,10 +316,9 @@ class EtcdStore:
         notes = self.kv.range(f"d/{worker_id}/", keys_only=True)
         gone = [k.split("/", 2)[2] for k in notes if not inventory.is_full]
         got, _ = self.kv.read_many([f"c/{c}" for c in gone])
-        ops += [self.kv.delete(k) for k in notes]
         self.kv.apply(ops)
-        drop = ({c for c, _ in changed} - known) | {c for c in gone if got[f"c/{c}"] is None}
-        return sorted(drop), frozenset(kept)
+        drop = (set(contents) - known) | {c for c in gone if got[f"c/{c}"] is None}
+        return sorted(drop), frozenset(kept), list(notes)
 
     def list_workers(self, now: float) -> list[WorkerInfo]:
         workers = self.kv.range("w/")

@@ -126,6 +126,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
             drop_content_ids=beat.drop_content_ids,
             shards=shard_table_to_pb(self.coord.shard_table(now)),
             resync=beat.resync,
+            kept=[pb.ReplicaRef(content_id=c, tier=t) for c, t in sorted(beat.kept)],
         )
 
     def ListWorkers(self, request, context):
