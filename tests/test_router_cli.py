@@ -86,7 +86,8 @@ def test_rebalance_dry_run_then_move(cluster, sims):
     assert record["samples"] == {"sim-a": 4, "sim-b": 0, "sim-c": 0}
     assert record["decision"]["req_id"] == "victim"
     assert (record["decision"]["source"], record["decision"]["target"]) == ("sim-a", "sim-b")
-    assert record["idempotency_key"] == "rebalance/victim/sim-a->sim-b/0"
+    tokens = sessions_on(endpoints["sim-a"])["victim"]["tokens"]
+    assert record["idempotency_key"] == f"rebalance/victim/sim-a->sim-b/0/{tokens}"
     assert record["migration"] is None
     assert "victim" in sessions_on(endpoints["sim-a"])  # dry run: nothing moved
 
@@ -260,10 +261,75 @@ def test_router_rejects_malformed_requests(cluster, sims, router):
     conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
     conn.request("GET", "/nope")
     assert conn.getresponse().status == 404
+    bad_params = {"input_ids": [1, 2], "session_params": "s"}
+    for path, body, headers, status in (
+        ("/generate", json.dumps(bad_params).encode(), {}, 400),
+        ("/v1/chat/completions", b'{"messages": []}', {}, 404),  # body never read
+        ("/generate", iter([b'{"input_ids": [1]}']), {}, 400),  # sent chunked
+    ):
+        conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
+        conn.request("POST", path, body, headers)
+        response = conn.getresponse()
+        reply = json.loads(response.read())
+        assert response.status == status, (path, reply)
+        # An error closes the connection: an unread body is never parsed as a next request.
+        assert response.getheader("Connection") == "close"
     proc = cluster.tc("router", "start", "--policy", "fastest")
     assert proc.returncode == 3 and "unknown policy" in proc.stderr
     proc = cluster.tc("router", "state", "--router", "127.0.0.1:1")
     assert proc.returncode == 7
+
+
+def test_a_session_with_nothing_to_move_waits_for_its_next_turn(cluster, sims, router):
+    """The engine evicted a session's KV: its migration fails (NotFound), and it is no
+    candidate again until a turn makes KV to move, so it cannot fail every tick; that turn
+    changes the decision's idempotency key, so the retry never reuses the failed move's
+    steps (which published the KV before the turn)."""
+    from tensorcast.sdk.plan import CallContext, Plan
+
+    endpoints, _ = sims
+    r, addr = router(policy="rebalance", instances=("sim-a", "sim-b"))
+    ids = context(71, 120)
+    where, first = routed(addr, "s-71", ids)
+    assert where == "sim-a"
+    with cluster.connect() as rt:
+        plan = Plan(CallContext())
+        plan.on_instance("sim-a").evict("s-71")
+        plan.run(rt)
+    assert "s-71" not in sessions_on(endpoints["sim-a"])
+    record = r.tick_once()
+    assert record["decision"]["req_id"] == "s-71"
+    failed_key = record["idempotency_key"]
+    wait_until(lambda: r.state()["migrations"], 60)
+    (move,) = r.state()["migrations"]
+    assert move["status"] == "failed" and "NotFound" in move["error"], move
+    again = r.tick_once()
+    assert again["decision"] is None and "no eligible request" in again["reason"]
+    where, _ = routed(addr, "s-71", ids + first["output_ids"] + [6] * 10)
+    assert where == "sim-a"  # recomputed on its owner
+    record = r.tick_once()
+    assert record["decision"]["req_id"] == "s-71" and record["idempotency_key"] != failed_key
+    wait_until(lambda: len(r.state()["migrations"]) == 2, 60)
+    assert r.state()["migrations"][0]["status"] == "ok"
+    assert "s-71" in sessions_on(endpoints["sim-b"])
+
+
+def test_idle_sessions_are_forgotten_and_the_table_is_bounded(cluster, sims, router, monkeypatch):
+    import tensorcast.router.server as server_module
+
+    r, addr = router(policy="round-robin", instances=("sim-b", "sim-c"), session_idle_s=30.0)
+    for k in range(3):
+        routed(addr, f"idle-{k}", context(400 + k, 10))
+    assert r.state()["sessions"] == 3
+    now = time.monotonic()
+    assert r.forget_idle_sessions(now) == 0  # none idle for 30 s yet
+    monkeypatch.setattr(server_module, "MAX_SESSIONS", 2)
+    assert r.forget_idle_sessions(now) == 1  # over the cap: the longest idle goes
+    assert r.state()["sessions"] == 2
+    assert r.forget_idle_sessions(now + 31) == 2
+    assert r.state()["sessions"] == 0
+    with pytest.raises(errors.InvalidArgument, match="session_idle_s"):
+        RouterConfig(session_idle_s=0)
 
 
 def test_dead_target_mid_migration_leaves_the_session_on_its_source(
@@ -334,7 +400,7 @@ def test_top_router_view():
                 "bytes": 3 << 20,
                 "duration_s": 0.25,
                 "at": 990.0,
-                "key": "router-r1/s-1/sim-a->sim-b/0",
+                "key": "router-r1/s-1/sim-a->sim-b/0/96",
             }
         ],
     }

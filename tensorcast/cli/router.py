@@ -69,6 +69,14 @@ def start(
         float,
         typer.Option("--wait-for-instances", min=0, help="Seconds to wait for a first instance."),
     ] = 0.0,
+    session_idle: Annotated[
+        float,
+        typer.Option(
+            "--session-idle",
+            min=0.001,
+            help="Seconds after which an idle session is forgotten (its next turn is placed anew).",
+        ),
+    ] = 600.0,
     state_dir: StateDirOpt = None,
     addr: AddrOpt = None,
     token: TokenOpt = None,
@@ -100,6 +108,7 @@ def start(
         load_source=load_source,
         block_tokens=block_tokens,
         migration_deadline_ms=int(deadline * 1000),
+        session_idle_s=session_idle,
         instances=tuple(instance or ()),
     )
     host, port = parse_host_port(listen)

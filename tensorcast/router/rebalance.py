@@ -86,10 +86,14 @@ def observe(rt: Runtime, only: Iterable[str] = ()) -> Observation:
     return Observation(samples, requests, instances, unreadable, now)
 
 
-def decision_key(prefix: str, req_id: str, source: str, target: str, migrations: int) -> str:
+def decision_key(
+    prefix: str, req_id: str, source: str, target: str, migrations: int, tokens: int
+) -> str:
     """The idempotency key of one decision: the same move of the same request at the same point
-    of its history always gets the same key."""
-    return f"{prefix}/{req_id}/{source}->{target}/{migrations}"
+    of its history (its migrations, and its tokens: every turn adds some) always gets the same
+    key. A retry of a failed move reuses the steps that finished; after another turn the KV
+    cache is not the one those steps published, so the key must differ."""
+    return f"{prefix}/{req_id}/{source}->{target}/{migrations}/{tokens}"
 
 
 MigrateFn = Callable[..., dict]
@@ -138,13 +142,18 @@ class Rebalancer:
         decision = result.decision
         if decision is None:
             return record
-        migrations = next(
-            r.migrations
+        request = next(
+            r
             for r in obs.requests
             if r.req_id == decision.req_id and r.instance_id == decision.source
         )
         key = decision_key(
-            self.key_prefix, decision.req_id, decision.source, decision.target, migrations
+            self.key_prefix,
+            decision.req_id,
+            decision.source,
+            decision.target,
+            request.migrations,
+            request.tokens,
         )
         record["idempotency_key"] = key
         if dry_run:

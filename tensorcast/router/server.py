@@ -50,6 +50,8 @@ log = logging.getLogger("tensorcast.router")
 POLICIES = ("rebalance", "cache-aware", "load-aware", "round-robin")
 MAX_BODY_BYTES = 64 << 20
 MIGRATIONS_KEPT = 100
+MAX_SESSIONS = 100_000  # past it, the longest idle sessions are forgotten first
+CLIENT_TIMEOUT_S = 120.0  # a client silent this long mid-request loses its connection
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class RouterConfig:
     migration_deadline_ms: int = 30_000
     request_timeout_s: float = 900.0
     discover_s: float = 1.0
+    session_idle_s: float = 600.0  # a session idle this long is forgotten (placed anew)
     instances: tuple[str, ...] = ()  # only these instance ids (default: every live one)
     seed: int = 0
 
@@ -83,6 +86,8 @@ class RouterConfig:
             raise errors.InvalidArgument("load_source must be 'signals' or 'router'")
         if not self.tick_s > 0 or not self.discover_s > 0 or self.block_tokens < 1:
             raise errors.InvalidArgument("tick_s and discover_s must be > 0, block_tokens >= 1")
+        if not self.session_idle_s > 0:
+            raise errors.InvalidArgument("session_idle_s must be > 0")
 
 
 @dataclass
@@ -94,6 +99,9 @@ class _Session:
     inflight: int = 0
     migrating: bool = False
     keys: list[bytes] = field(default_factory=list)
+    # Its last migration found no KV on the source (the engine evicted it): not a candidate
+    # until its next turn makes some, so one such session cannot win every tick.
+    nothing_to_move: bool = False
 
 
 class Router:
@@ -168,6 +176,26 @@ class Router:
     def _discover_loop(self) -> None:
         while not self._closed.wait(self.config.discover_s):
             self.discover()
+            self.forget_idle_sessions()
+
+    def forget_idle_sessions(self, now: float | None = None) -> int:
+        """Drop sessions idle for `session_idle_s` (no turn in flight, not migrating), and the
+        longest idle ones past MAX_SESSIONS: the table stays bounded whatever the clients send
+        (a request without a session id is a session of its own). Returns how many went."""
+        now = time.monotonic() if now is None else now
+        with self._cv:
+            idle = [
+                (s.last_active, sid)
+                for sid, s in self._sessions.items()
+                if not s.inflight and not s.migrating
+            ]
+            old = {sid for last, sid in idle if now - last >= self.config.session_idle_s}
+            over = len(self._sessions) - len(old) - MAX_SESSIONS
+            if over > 0:
+                old.update(sid for _, sid in sorted(idle)[: len(old) + over])
+            for sid in old:
+                del self._sessions[sid]
+            return len(old)
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -218,6 +246,7 @@ class Router:
                 state = self._sessions[session] = _Session(owner=target)
             state.owner = target if sticky or state.inflight == 0 else state.owner
             state.inflight += 1
+            state.nothing_to_move = False
             state.tokens = len(tokens)
             state.keys = keys
             self._inflight[target] = self._inflight.get(target, 0) + 1
@@ -272,7 +301,7 @@ class Router:
                     migrating=s.migrating,
                 )
                 for sid, s in self._sessions.items()
-                if s.owner in self._endpoints
+                if s.owner in self._endpoints and not s.nothing_to_move
             ]
             result = tick(self._loads, self._samples(), requests, now, self.config.params)
             self._loads = result.loads
@@ -293,6 +322,7 @@ class Router:
                     decision.source,
                     decision.target,
                     state.migrations,
+                    state.tokens,
                 )
                 record["idempotency_key"] = key
             self._last_tick = record
@@ -303,7 +333,14 @@ class Router:
                 name="router-migrate",
                 daemon=True,
             )
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: the session must not stay migrating
+                with self._cv:
+                    self._sessions[decision.req_id].migrating = False
+                    self._migrating -= 1
+                    self._cv.notify_all()
+                raise
         return record
 
     def _migrate(self, session: str, source: str, target: str, key: str) -> None:
@@ -317,7 +354,7 @@ class Router:
             "key": key,
             "at": time.time(),
         }
-        moved = False
+        moved = nothing_to_move = False
         try:
             plan = migrate(
                 self.rt,
@@ -333,6 +370,10 @@ class Router:
             partial = getattr(e, "result", None) or {}
             entry.update(summarize(partial) if partial else {})
             entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+            # NotFound before any step finished: the source has no KV of it (evicted).
+            nothing_to_move = isinstance(e, errors.NotFound) and not any(
+                s.get("status") == "ok" for s in partial.get("steps", [])
+            )
             moved = any(  # the hydrate that made the session resident there (its last part)
                 s.get("op") == "hydrate"
                 and s.get("status") == "ok"
@@ -353,6 +394,7 @@ class Router:
                         self._index.forget(source, state.keys)
                         self._index.insert(target, state.keys)
                 state.migrating = False
+                state.nothing_to_move = nothing_to_move
             self._migrating -= 1
             self._migrations.appendleft(entry)
             self._cv.notify_all()
@@ -438,6 +480,8 @@ _STATUS = {
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = CLIENT_TIMEOUT_S  # reads and writes on the client's socket
+    _streaming = False  # this request's 200 and chunked headers are sent
 
     def log_message(self, format: str, *args: Any) -> None:
         """The library never prints."""
@@ -449,6 +493,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve("POST")
 
     def _serve(self, method: str) -> None:
+        self._streaming = False
         try:
             reply = self._route(method)
             if reply is None:
@@ -460,6 +505,10 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:
             status = 500
             reply = {"error": "TensorcastError", "message": f"{type(exc).__name__}: {exc}"}
+        # The request's body may be unread: the connection cannot carry another request.
+        self.close_connection = True
+        if self._streaming:  # a stream cut short: closed without its last chunk, so the
+            return  # client sees it incomplete rather than a second response inside it
         self._send(status, json.dumps(reply).encode())
 
     def _send(
@@ -471,6 +520,8 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         if instance:
             self.send_header("X-TC-Instance", instance)
         self.send_header("Content-Length", str(len(body)))
@@ -494,6 +545,8 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _body(self) -> dict[str, Any]:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise errors.InvalidArgument("send the request body with a Content-Length")
         try:
             length = int(self.headers.get("Content-Length", "0"))
         except ValueError:
@@ -531,8 +584,11 @@ class _Handler(BaseHTTPRequestHandler):
         tokens = ids if ids is not None else tokenize(str(text), 1 << 31)
         rid = rid or uuid.uuid4().hex
         session = session_of(body, self.headers.get("X-Session-Id"), rid)
+        params = body.get("session_params") or {}
+        if not isinstance(params, dict):
+            raise errors.InvalidArgument("'session_params' must be an object")
         body["rid"] = rid
-        body["session_params"] = dict(body.get("session_params") or {}, id=session)
+        body["session_params"] = dict(params, id=session)
         instance, endpoint = router.acquire(session, tokens)
         total: int | None = None
         try:
@@ -556,6 +612,13 @@ class _Handler(BaseHTTPRequestHandler):
                 return None
             finally:
                 conn.close()
+        except http.client.HTTPException as e:  # a malformed or cut-off answer
+            raise errors.Unavailable(f"instance {instance} at {endpoint} failed: {e!r}") from None
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"instance {instance} at {endpoint} did not answer within "
+                f"{router.config.request_timeout_s:g}s"
+            ) from None
         except OSError as e:
             raise errors.Unavailable(f"instance {instance} at {endpoint} failed: {e}") from None
         finally:
@@ -570,6 +633,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        self._streaming = True
         total = prompt_tokens
         event = b""
         while True:
@@ -583,6 +647,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
                 self.wfile.flush()
                 event = b""
+        if event:  # the instance closed mid-event: not a complete stream
+            raise errors.Unavailable(f"instance {instance} ended its stream mid-event")
         self.wfile.write(b"0\r\n\r\n")
         return total
 
