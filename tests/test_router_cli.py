@@ -148,6 +148,12 @@ def router(cluster, sims):
         rt.close()
 
 
+def no_turn_in_flight(r: Router) -> None:
+    """The router counts a turn until its handler returns, just after the client has its reply:
+    wait for that before anything that reads the counts (a tick skips running sessions)."""
+    wait_until(lambda: all(i["inflight"] == 0 for i in r.state()["instances"]), 20)
+
+
 def routed(addr: str, session: str, ids: list[int]) -> tuple[str, dict]:
     import http.client
 
@@ -183,6 +189,7 @@ def test_router_rebalance_moves_a_session_and_a_racing_turn_waits(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(migrate_module, "migrate", held)
+    no_turn_in_flight(r)
     record = r.tick_once()
     assert record["decision"]["req_id"] == "s-31"
     assert (record["decision"]["source"], record["decision"]["target"]) == ("sim-a", "sim-b")
@@ -297,6 +304,7 @@ def test_a_session_with_nothing_to_move_waits_for_its_next_turn(cluster, sims, r
         plan.on_instance("sim-a").evict("s-71")
         plan.run(rt)
     assert "s-71" not in sessions_on(endpoints["sim-a"])
+    no_turn_in_flight(r)
     record = r.tick_once()
     assert record["decision"]["req_id"] == "s-71"
     failed_key = record["idempotency_key"]
@@ -307,6 +315,7 @@ def test_a_session_with_nothing_to_move_waits_for_its_next_turn(cluster, sims, r
     assert again["decision"] is None and "no eligible request" in again["reason"]
     where, _ = routed(addr, "s-71", ids + first["output_ids"] + [6] * 10)
     assert where == "sim-a"  # recomputed on its owner
+    no_turn_in_flight(r)
     record = r.tick_once()
     assert record["decision"]["req_id"] == "s-71" and record["idempotency_key"] != failed_key
     wait_until(lambda: len(r.state()["migrations"]) == 2, 60)
@@ -317,9 +326,15 @@ def test_a_session_with_nothing_to_move_waits_for_its_next_turn(cluster, sims, r
 def test_idle_sessions_are_forgotten_and_the_table_is_bounded(cluster, sims, router, monkeypatch):
     import tensorcast.router.server as server_module
 
-    r, addr = router(policy="round-robin", instances=("sim-b", "sim-c"), session_idle_s=30.0)
+    r, addr = router(
+        policy="round-robin",
+        instances=("sim-b", "sim-c"),
+        session_idle_s=30.0,
+        discover_s=3600.0,  # its loop also forgets sessions: only the test's calls here
+    )
     for k in range(3):
         routed(addr, f"idle-{k}", context(400 + k, 10))
+    no_turn_in_flight(r)  # a session with a turn in flight is never forgotten
     assert r.state()["sessions"] == 3
     now = time.monotonic()
     assert r.forget_idle_sessions(now) == 0  # none idle for 30 s yet
@@ -352,6 +367,7 @@ def test_dead_target_mid_migration_leaves_the_session_on_its_source(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(migrate_module, "migrate", held)
+    no_turn_in_flight(r)
     record = r.tick_once()
     assert record["decision"]["target"] == "sim-c"
     procs["sim-c"].kill()  # the target dies before the plan reaches it
