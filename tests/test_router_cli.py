@@ -323,6 +323,37 @@ def test_a_session_with_nothing_to_move_waits_for_its_next_turn(cluster, sims, r
     assert "s-71" in sessions_on(endpoints["sim-b"])
 
 
+def test_a_move_the_caller_gave_up_on_counts_if_the_gateway_finished_it(
+    cluster, sims, router, monkeypatch
+):
+    """The router's call to the gateway fails (its deadline, the connection) but the gateway
+    finishes the plan: the router reads the outcome the store recorded under the decision's
+    key, and the session goes to its new owner (its KV left the source)."""
+    import tensorcast.sdk.plan as plan_module
+
+    endpoints, _ = sims
+    r, addr = router(policy="rebalance", instances=("sim-a", "sim-b"))
+    ids = context(81, 120)
+    where, first = routed(addr, "s-81", ids)
+    assert where == "sim-a"
+    real = plan_module.Plan.run
+
+    def finished_but_unanswered(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        raise errors.DeadlineExceeded("the answer did not come back in time")
+
+    monkeypatch.setattr(plan_module.Plan, "run", finished_but_unanswered)
+    no_turn_in_flight(r)
+    record = r.tick_once()
+    assert record["decision"]["req_id"] == "s-81"
+    wait_until(lambda: r.state()["migrations"], 60)
+    (move,) = r.state()["migrations"]
+    assert move["status"] == "ok" and move["bytes"] > 0, move
+    assert "s-81" not in sessions_on(endpoints["sim-a"])
+    where, reply = routed(addr, "s-81", ids + first["output_ids"] + [7] * 10)
+    assert where == "sim-b" and reply["meta_info"]["cached_tokens"] >= 120
+
+
 def test_idle_sessions_are_forgotten_and_the_table_is_bounded(cluster, sims, router, monkeypatch):
     import tensorcast.router.server as server_module
 

@@ -367,19 +367,26 @@ class Router:
             entry.update(summarize(plan))
             moved = True
         except errors.TensorcastError as e:
-            partial = getattr(e, "result", None) or {}
-            entry.update(summarize(partial) if partial else {})
-            entry.update(status="failed", error=f"{type(e).__name__}: {e}")
-            # NotFound before any step finished: the source has no KV of it (evicted).
-            nothing_to_move = isinstance(e, errors.NotFound) and not any(
-                s.get("status") == "ok" for s in partial.get("steps", [])
-            )
-            moved = any(  # the hydrate that made the session resident there (its last part)
-                s.get("op") == "hydrate"
-                and s.get("status") == "ok"
-                and (s.get("result") or {}).get("resident")
-                for s in partial.get("steps", [])
-            )
+            partial = getattr(e, "result", None)
+            if partial is None:  # this side gave up (deadline, gateway gone): not the plan
+                partial = self._recorded_plan(key)
+            if partial.get("status") == "ok":  # the gateway finished it all the same
+                entry.update(summarize(partial))
+                moved = True
+            else:
+                entry.update(summarize(partial) if partial else {})
+                entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+                steps = partial.get("steps", [])
+                # NotFound before any step finished: the source has no KV of it (evicted).
+                nothing_to_move = isinstance(e, errors.NotFound) and not any(
+                    s.get("status") == "ok" for s in steps
+                )
+                moved = any(  # the hydrate that made it resident there (its last part)
+                    s.get("op") == "hydrate"
+                    and s.get("status") == "ok"
+                    and (s.get("result") or {}).get("resident")
+                    for s in steps
+                )
         except Exception as e:  # never leave the session stuck as migrating
             entry.update(status="failed", error=f"{type(e).__name__}: {e}")
             log.exception("migration of %s failed", session)
@@ -407,6 +414,28 @@ class Router:
             entry.get("bytes", 0),
             entry["duration_s"],
         )
+
+    def _recorded_plan(self, key: str) -> dict[str, Any]:
+        """The result the store recorded for the plan under `key`, once it is no longer running
+        (waited for within the migration's deadline); {} when none can be had. A caller that
+        gave up does not know whether the gateway went on: this does."""
+        from tensorcast.proto import tensorcast_pb2 as pb
+        from tensorcast.rpc.convert import plan_from_pb
+
+        give_up_at = time.monotonic() + self.config.migration_deadline_ms / 1000 + 5
+        while not self._closed.is_set():
+            try:
+                record = plan_from_pb(
+                    self.rt.store.call("GetPlan", pb.PlanRecord(idempotency_key=key))
+                )
+            except errors.TensorcastError:
+                return {}
+            if record.status != "running":
+                return record.result
+            if time.monotonic() >= give_up_at:
+                return {}
+            self._closed.wait(0.1)
+        return {}
 
     def _tick_loop(self) -> None:
         while not self._closed.wait(self.config.tick_s):
