@@ -419,15 +419,10 @@ class Router:
         """The result the store recorded for the plan under `key`, once it is no longer running
         (waited for within the migration's deadline); {} when none can be had. A caller that
         gave up does not know whether the gateway went on: this does."""
-        from tensorcast.proto import tensorcast_pb2 as pb
-        from tensorcast.rpc.convert import plan_from_pb
-
         give_up_at = time.monotonic() + self.config.migration_deadline_ms / 1000 + 5
         while not self._closed.is_set():
             try:
-                record = plan_from_pb(
-                    self.rt.store.call("GetPlan", pb.PlanRecord(idempotency_key=key))
-                )
+                record = self.rt.plan(key)
             except errors.TensorcastError:
                 return {}
             if record.status != "running":

@@ -216,6 +216,11 @@ class Runtime:
         reply = self.store.call("ListPlans", pb.ListPlansRequest(limit=limit))
         return [plan_from_pb(p) for p in reply.plans]
 
+    def plan(self, idempotency_key: str) -> PlanRecord:
+        """The plan recorded under `idempotency_key` (running, ok or failed); NotFound if none."""
+        request = pb.PlanRecord(idempotency_key=idempotency_key)
+        return plan_from_pb(self.store.call("GetPlan", request))
+
     def shards(self) -> ShardTable:
         return shard_table_from_pb(self.store.call("ListShards", pb.Empty()))
 
