@@ -453,6 +453,9 @@ def test_native_page_socket_survives_malformed_frames(cluster):
         get = struct.pack("<I", 1) + text("kv/native/keep") + struct.pack("<IQ", 0, 0)
         cases = {
             "no hello": (frame(page_client.GET, get), "Unauthenticated"),
+            # Nothing but HELLO is read before it (a WAKE would keep the connection open).
+            "wake before hello": (frame(page_client.WAKE, b""), "Unauthenticated"),
+            "huge before hello": (frame(page_client.GET, b"", size=8 << 20), "Unauthenticated"),
             "wrong token": (frame(page_client.HELLO, text("nope")), "Unauthenticated"),
             "bad version": (good + frame(page_client.GET, get, version=9), "InvalidArgument"),
             "unknown op": (good + frame(77, b""), "InvalidArgument"),
@@ -613,3 +616,45 @@ def test_workers_account_for_page_regions_and_regions_held_for_puts(fresh_cluste
             )
         wait_until(lambda: status().page_uncommitted_bytes == base.page_uncommitted_bytes, 30)
         assert status().worker.mem_used_bytes - base.worker.mem_used_bytes == 4096
+
+
+def test_a_device_put_that_fails_before_its_commit_gives_its_regions_back(
+    fresh_cluster, monkeypatch
+):
+    """A GPU page put allocates pool regions, copies into them from the device, then commits;
+    when the copy fails (here: the device sync, the step a real GPU error surfaces at), the
+    regions come back to the worker (the page socket has no free: the connection is closed) and
+    the next put opens a new connection and works."""
+    from tensorcast.sdk import gpu_pages
+
+    with fresh_cluster.connect() as probe:
+        worker = probe.workers()[0]
+
+        def status() -> pb.WorkerStatus:
+            return probe.worker_stub(worker).call("Status", pb.Empty())
+
+        with fresh_cluster.connect() as rt:
+            pages = rt.pages()
+            pages.put_pages({"kv/dev/warm": torch.ones(8)}, ttl_s=60)  # connects
+            base = status()
+            conn = pages._local(pages.table().lease(0))
+
+            def failed_sync(devices: set) -> None:
+                raise RuntimeError("device lost")
+
+            # No CUDA here: the pool is used unregistered (registering it is all CUDA adds).
+            monkeypatch.setattr(
+                gpu_pages, "pool_tensor", lambda c: torch.frombuffer(c.arena(), dtype=torch.uint8)
+            )
+            monkeypatch.setattr(gpu_pages, "_sync", failed_sync)
+            with pytest.raises(RuntimeError, match="device lost"):
+                gpu_pages._put_device(
+                    conn, 60.0, [("kv/dev/x", 0, 0, "F32", (1 << 18,))], [torch.ones(1 << 18)]
+                )
+            assert conn.broken
+            wait_until(
+                lambda: status().page_uncommitted_bytes <= base.page_uncommitted_bytes, 30
+            )
+            monkeypatch.undo()
+            pages.put_pages({"kv/dev/after": torch.ones(8)}, ttl_s=60)
+            assert torch.equal(pages.get_pages(["kv/dev/after"])[0].tensor(), torch.ones(8))

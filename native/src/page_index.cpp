@@ -53,12 +53,20 @@ uint64_t PageIndex::allocate_one(uint64_t size, bool evict) {
         try {
             return arena_->allocate(size);
         } catch (const StatusError& e) {
-            // A page larger than the whole arena never fits: evicting would only lose pages.
-            if (!evict || e.kind != "ResourceExhausted" || size > arena_->capacity_bytes() ||
+            if (!evict || e.kind != "ResourceExhausted" || !fits_after_eviction(size) ||
                 !evict_one())
                 throw;
         }
     }
+}
+
+bool PageIndex::fits_after_eviction(uint64_t size) {
+    // What pages do not hold (artifacts, regions still being written) stays whatever is
+    // evicted: when even an arena without pages has no room, evicting would only lose pages.
+    std::lock_guard<std::mutex> lock(mutex_);
+    const uint64_t used = arena_->used_bytes();
+    const uint64_t kept = used - std::min(used, region_bytes_);
+    return kept + region_bytes(size) <= arena_->capacity_bytes();
 }
 
 bool PageIndex::evict_one() {

@@ -26,6 +26,8 @@ using std::chrono::milliseconds;
 
 constexpr size_t kHeaderBytes = page_wire::kHeaderBytes;
 constexpr int kBodyStallMs = 10'000;   // a request's body and bytes must keep arriving
+constexpr int kHelloWithinMs = 10'000;  // a new connection authenticates this soon, or is closed
+constexpr uint64_t kMinPutBytesPerS = 8ull << 20;  // a PUT's bytes arrive at least this fast
 constexpr int kIdleTimeoutMs = 300'000;  // as the data server's: no request for this long
 constexpr int kSendStallMs = 30'000;   // the caller stopped reading
 constexpr int kServerSpinUs = 100;     // watch for the next request before sleeping
@@ -38,10 +40,11 @@ constexpr size_t kMinPagesPerPart = 8;        // a get splits over connections a
 constexpr uint64_t kMinPartBytes = 1ull << 20;  // a put splits over connections above this
 constexpr size_t kMaxDtypeBytes = 64;
 
-std::vector<std::pair<uint32_t, uint64_t>> named_leases(const std::vector<PageWrite>& pages) {
+// Every lease a PUT writes under. Token 0 ("any copy") is for reads: a write naming it is
+// checked like any other token, so it is refused (nobody holds a lease under token 0).
+std::vector<std::pair<uint32_t, uint64_t>> write_leases(const std::vector<PageWrite>& pages) {
     std::set<std::pair<uint32_t, uint64_t>> named;
-    for (const auto& p : pages)
-        if (p.token != 0) named.emplace(p.shard, p.token);
+    for (const auto& p : pages) named.emplace(p.shard, p.token);
     return {named.begin(), named.end()};
 }
 
@@ -142,7 +145,8 @@ void RemotePageService::serve(int fd, ssl_st* ssl, const uint8_t* first_header, 
     for (;;) {
         if (!have_header) {
             net::IoLimits idle = c.limits(0);
-            idle.deadline = Clock::now() + milliseconds(kIdleTimeoutMs);
+            idle.deadline = c.authenticated ? Clock::now() + milliseconds(kIdleTimeoutMs)
+                                            : connected_at + milliseconds(kHelloWithinMs);
             idle.spin_us = kServerSpinUs;
             if (net::recv_all(fd, header, kHeaderBytes, idle, nullptr) != net::Io::kOk) return;
         }
@@ -161,10 +165,14 @@ void RemotePageService::serve(int fd, ssl_st* ssl, const uint8_t* first_header, 
                 throw StatusError("InvalidArgument", "page request of " + std::to_string(size) +
                                                          " bytes, the limit is " +
                                                          std::to_string(kMaxPageRequestBytes));
+            // Before HELLO nothing else is read (not even a WAKE, which would keep an
+            // unauthenticated connection open).
+            if (!c.authenticated && header[1] != page_wire::kHello)
+                throw StatusError("Unauthenticated", "say HELLO with the token first");
             body.resize(size);
             net::IoLimits limits = c.limits(kBodyStallMs);
             if (!c.authenticated)  // HELLO comes at once, or not at all
-                limits.deadline = connected_at + milliseconds(10'000);
+                limits.deadline = connected_at + milliseconds(kHelloWithinMs);
             if (net::recv_all(fd, body.data(), size, limits, nullptr) != net::Io::kOk) return;
             c.keep = true;
             if (header[1] == page_wire::kWake && size == 0) continue;
@@ -263,6 +271,24 @@ void RemotePageService::read(Connection& c, const std::vector<uint8_t>& body) {
     bytes_sent_ += payload;
 }
 
+namespace {
+
+// Pool regions a PUT holds while its bytes arrive, and its share of the service's budget of such
+// bytes; both given back unless the regions were handed to a commit.
+struct PutRegions {
+    PutRegions(PageIndex& i, std::atomic<uint64_t>& r) : index(i), receiving(r) {}
+    PageIndex& index;
+    std::atomic<uint64_t>& receiving;
+    uint64_t reserved = 0;
+    std::vector<uint64_t> offsets;
+    ~PutRegions() {
+        if (!offsets.empty()) index.free(offsets);
+        receiving -= reserved;
+    }
+};
+
+}  // namespace
+
 void RemotePageService::put(Connection& c, const std::vector<uint8_t>& body) {
     // Anything wrong in the body closes the connection: the bytes that follow may not be what
     // it declared.
@@ -270,46 +296,61 @@ void RemotePageService::put(Connection& c, const std::vector<uint8_t>& body) {
         body.data(), body.size(), std::min(kMaxRemotePutBytes, arena_bytes_ / 2));
     std::vector<PageWrite>& writes = request.pages;
     const uint64_t total = request.total_bytes;
+    const auto leases = write_leases(writes);
     c.keep = true;
+    PutRegions held{*index_, receiving_};
     // Refusals before any byte is stored: the bytes are drained and the connection goes on.
-    std::vector<uint64_t> offsets;
     try {
-        index_->check_leases(named_leases(writes));
+        index_->check_leases(leases);
+        // PUTs in flight on all connections hold at most half the pool: slow senders cannot
+        // take it all (every page evicted for regions that never fill).
+        uint64_t now = receiving_.load();
+        do {
+            if (now + total > arena_bytes_ / 2)
+                throw StatusError("ResourceExhausted",
+                                  "this worker is receiving " + std::to_string(now) +
+                                      " bytes of other puts: retry later");
+        } while (!receiving_.compare_exchange_weak(now, now + total));
+        held.reserved = total;
         std::vector<uint64_t> sizes;
         for (const auto& w : writes) sizes.push_back(w.size_bytes);
-        offsets = index_->allocate(sizes, true);
+        held.offsets = index_->allocate(sizes, true);
     } catch (const StatusError&) {
         if (!c.drain(total)) throw ConnectionOver{};
         throw;
     }
+    // The bytes must keep coming (stall) and arrive at a minimum rate overall.
+    const auto deadline = Clock::now() + milliseconds(kBodyStallMs) +
+                          milliseconds(total * 1000 / kMinPutBytesPerS);
     StreamTreeHasher hasher;
     std::string damaged;
     for (size_t i = 0; i < writes.size(); ++i) {
         PageWrite& w = writes[i];
-        w.offset = offsets[i];
+        w.offset = held.offsets[i];
         hasher.reset();
         net::IoLimits limits = c.limits(kBodyStallMs);
+        limits.deadline = deadline;
         limits.max_piece_bytes = kPieceBytes;
         const net::Io io = net::recv_all(
             c.fd, index_->base() + w.offset, w.size_bytes, limits, nullptr,
             [&hasher](const uint8_t* piece, uint64_t n) { hasher.update(piece, size_t(n)); });
-        if (io != net::Io::kOk) {
-            index_->free(offsets);
-            throw ConnectionOver{};
-        }
+        if (io != net::Io::kOk) throw ConnectionOver{};
         if (damaged.empty() && hex(hasher.finish()) != w.hash) damaged = w.key;
     }
     bytes_received_ += total;
-    if (!damaged.empty()) {
-        index_->free(offsets);
+    if (!damaged.empty())
         throw StatusError("IntegrityError", "page " + damaged +
                                                 " arrived damaged (its bytes do not match its "
                                                 "hash): nothing of this batch was stored");
-    }
+    // Checked again now the bytes are here: the lease may have moved while they arrived (its
+    // pages handed off and dropped), and a late commit would leave a stale home copy.
+    index_->check_leases(leases);
     CommitOptions options;
     options.home = true;
     options.if_absent = request.if_absent;
     options.check_hashes = false;  // hashed above as the bytes landed
+    std::vector<uint64_t> committing = std::move(held.offsets);
+    held.offsets.clear();
     index_->commit(writes, request.ttl_s, options);  // frees the regions itself on error
     if (!c.send(0, {})) throw ConnectionOver{};
 }
@@ -613,6 +654,9 @@ RemoteGetResult remote_get(const std::vector<PageKey>& keys, const std::vector<R
     result.errors = run_parts(parts, homes.size(), [&](const Part& part) {
         Caller caller(homes[part.home], options, deadline);
         caller.run([&](net::Link& link) {
+            // A retry replays the whole part, into the same buffers: what an earlier attempt
+            // received is stale (its buffer may hold the retry's bytes, or be a new one).
+            for (size_t i : part.pages) result.pages[i].reset();
             for (size_t start = 0; start < part.pages.size(); start += kMaxPageBatch) {
                 const size_t end = std::min(part.pages.size(), start + kMaxPageBatch);
                 std::vector<PageKey> wanted;

@@ -26,6 +26,7 @@ using page_wire::Reader;
 using page_wire::Writer;
 constexpr size_t kHeaderBytes = page_wire::kHeaderBytes;
 constexpr int kBodyStallMs = 10000;  // a request's body must keep arriving
+constexpr int kHelloWithinMs = 10000;  // a new connection authenticates this soon, or is closed
 constexpr uint32_t kMaxErrorBytes = 4096;
 // Engines send page requests back to back: after each reply, watch for the next request this
 // long before sleeping (at most this much CPU per burst; halves a single page's round trip).
@@ -44,6 +45,7 @@ struct Connection {
     std::thread thread;
     std::atomic<bool> finished{false};
     bool authenticated = false;
+    net::Clock::time_point connected_at = net::Clock::now();
     std::map<uint64_t, uint64_t> regions;  // offset -> page size: allocated, not committed
 };
 
@@ -183,6 +185,8 @@ void PageServer::Impl::serve(Connection& c) {
         net::IoLimits idle;  // between requests a connection may wait as long as it likes
         idle.wake_fd = wake.get();
         idle.spin_us = kSpinUs;
+        if (!c.authenticated)  // once it said HELLO
+            idle.deadline = c.connected_at + std::chrono::milliseconds(kHelloWithinMs);
         if (net::recv_all(fd, header, kHeaderBytes, idle, nullptr) != net::Io::kOk) return;
         uint32_t size;
         std::memcpy(&size, header + 4, 4);
@@ -200,10 +204,14 @@ void PageServer::Impl::serve(Connection& c) {
                 throw StatusError("InvalidArgument", "page request of " + std::to_string(size) +
                                                          " bytes, the limit is " +
                                                          std::to_string(kMaxPageRequestBytes));
+            if (!c.authenticated && header[1] != page_wire::kHello)
+                throw StatusError("Unauthenticated", "say HELLO with the token first");
             body.resize(size);
             net::IoLimits limits;
             limits.wake_fd = wake.get();
             limits.stall_ms = kBodyStallMs;
+            if (!c.authenticated)
+                limits.deadline = c.connected_at + std::chrono::milliseconds(kHelloWithinMs);
             if (net::recv_all(fd, body.data(), size, limits, nullptr) != net::Io::kOk) return;
             keep = true;
             // WAKE: a caller about to send a request (after copying a page) wakes this thread

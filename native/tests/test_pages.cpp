@@ -157,6 +157,14 @@ void test_replacing_if_absent_lru_eviction_and_expiry() {
     CHECK(!f.index.lookup({{"big0", 0, 0}})[0]);
     CHECK(f.index.lookup({{"k", 0, 0}})[0] && f.index.lookup({{"big3", 0, 0}})[0]);
     CHECK(error_kind([&] { f.index.allocate({65 * 4096}, true); }) == "ResourceExhausted");
+    {  // Regions pages do not hold (an artifact's) leave too little room even with no page:
+       // refused without evicting a page for nothing.
+        const uint64_t held = f.arena->allocate(8 * 4096);
+        const uint64_t pages_before = f.index.stats().pages;
+        CHECK(error_kind([&] { f.index.allocate({60 * 4096}, true); }) == "ResourceExhausted");
+        CHECK(f.index.stats().pages == pages_before);
+        f.arena->free(held);
+    }
 
     f.index.commit({f.write("short", 4096, 4)}, 1e-3, kHome);
     f.index.commit({f.write("copy", 4096, 5)}, 2e-3, kCached);  // a cached copy

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -212,6 +214,10 @@ struct Raw {
         timeval tv{10, 0};
         ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     }
+    explicit Raw(int accepted) : fd(accepted), ok(true) {
+        timeval tv{10, 0};
+        ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    }
     ~Raw() { ::close(fd); }
     void send(uint8_t op, const std::vector<uint8_t>& body, uint8_t version = 1) {
         uint8_t header[8] = {version, op, 0, 0};
@@ -256,7 +262,7 @@ struct Raw {
 };
 
 std::vector<uint8_t> put_body(const std::string& key, uint64_t size, const std::string& hash,
-                              uint8_t flags = 0) {
+                              uint8_t flags = 0, uint64_t token = 1) {
     std::vector<uint8_t> out;
     const auto add = [&out](const void* p, size_t n) {
         out.insert(out.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
@@ -271,7 +277,6 @@ std::vector<uint8_t> put_body(const std::string& key, uint64_t size, const std::
     add(key.data(), key.size());
     const uint32_t shard = 0;
     add(&shard, 4);
-    const uint64_t token = 1;
     add(&token, 8);
     n = 2;
     add(&n, 2);
@@ -427,6 +432,188 @@ void test_parsers_refuse_mutated_bodies_cleanly() {
     CHECK(parsed > 0 && refused > 0);
 }
 
+std::vector<uint8_t> le_bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return {b, b + n};
+}
+
+// A home that speaks the page frames by a script, for what a real one does not do on demand
+// (drop a pooled link between two batches of one part, send other bytes under a page's hash).
+// Serves `connections` connections one after the other: serve(connection index, fd).
+struct ScriptedHome {
+    ScriptedHome(int connections, std::function<void(int, Raw&)> serve) {
+        listener = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in addr{};
+        addr.sin_family = AF_INET;
+        addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+        ::listen(listener, 4);
+        socklen_t size = sizeof addr;
+        ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &size);
+        port = ntohs(addr.sin_port);
+        timeval tv{10, 0};  // accept gives up after this (a caller that never came)
+        ::setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        thread = std::thread([this, connections, serve] {
+            for (int i = 0; i < connections; ++i) {
+                const int fd = ::accept(listener, nullptr, nullptr);
+                if (fd < 0) return;
+                Raw conn(fd);
+                serve(i, conn);
+            }
+        });
+    }
+    ~ScriptedHome() {
+        thread.join();
+        ::close(listener);
+    }
+    // Reads one request: (op, body).
+    static std::pair<uint8_t, std::vector<uint8_t>> request(Raw& conn) { return conn.reply(); }
+    static void answer_hello(Raw& conn) {
+        CHECK(request(conn).first == 1);
+        const uint64_t pool = 64ull << 20;
+        conn.send(0, le_bytes(&pool, 8));
+    }
+    // Answers a READ: page 0 found (its bytes `data`, the hash `hash`), every other page absent.
+    static void answer_read(Raw& conn, const std::vector<uint8_t>& data, const std::string& hash) {
+        const auto [op, body] = request(conn);
+        CHECK(op == 7);
+        uint32_t n = 0;
+        std::memcpy(&n, body.data(), 4);
+        std::vector<uint8_t> meta = le_bytes(&n, 4);
+        const auto add = [&meta](const void* p, size_t k) {
+            const auto bytes = le_bytes(p, k);
+            meta.insert(meta.end(), bytes.begin(), bytes.end());
+        };
+        for (uint32_t i = 0; i < n; ++i) {
+            const uint8_t found = i == 0;
+            add(&found, 1);
+            if (!found) continue;
+            const uint64_t size = data.size();
+            add(&size, 8);
+            const uint16_t dtype_bytes = 2;
+            add(&dtype_bytes, 2);
+            add("U8", 2);
+            const uint8_t ndim = 1;
+            add(&ndim, 1);
+            const int64_t dim = int64_t(size);
+            add(&dim, 8);
+            const uint16_t hash_bytes = uint16_t(hash.size());
+            add(&hash_bytes, 2);
+            add(hash.data(), hash.size());
+        }
+        conn.send(0, meta);
+        conn.send_bytes(data);
+    }
+    int listener;
+    uint16_t port = 0;
+    std::thread thread;
+};
+
+// A part of more than one batch on a pooled link that breaks between its batches is replayed on
+// a fresh link; the replay's outcome is the only one that counts (here: page 0 arrives damaged,
+// so it reads as absent, not as the first attempt's page over the replay's bytes).
+void test_a_replayed_part_keeps_nothing_of_the_failed_attempt() {
+    const auto good = random_bytes(4096, 21);
+    auto other = good;
+    other[100] ^= 0xff;
+    const std::string hash = hex_hash(good.data(), good.size());
+    ScriptedHome home(2, [&](int i, Raw& conn) {
+        ScriptedHome::answer_hello(conn);
+        if (i == 0) {
+            ScriptedHome::answer_read(conn, good, hash);  // the first call: pools the link
+            ScriptedHome::answer_read(conn, good, hash);  // the second call's first batch
+            ScriptedHome::request(conn);                  // its second batch: the link breaks
+            return;
+        }
+        ScriptedHome::answer_read(conn, other, hash);     // the replay: page 0 damaged
+        ScriptedHome::answer_read(conn, other, hash);
+    });
+    tc::RemoteHome where{"127.0.0.1", home.port, {0}};
+    Buffers one(1, 4096);
+    auto first = tc::remote_get({{"k0", 0, 1}}, {where}, one.sink(), options(1));
+    CHECK(!first.errors[0] && first.pages[0]);
+    std::vector<tc::PageKey> keys;
+    std::vector<size_t> all;
+    for (size_t i = 0; i < tc::kMaxPageBatch + 1; ++i) {
+        keys.push_back({"k" + std::to_string(i), 0, 1});
+        all.push_back(i);
+    }
+    where.pages = all;
+    Buffers many(keys.size(), 4096);
+    const auto got = tc::remote_get(keys, {where}, many.sink(), options(1));
+    CHECK(!got.errors[0]);
+    CHECK(!got.pages[0]);  // absent, never the first attempt's page over other bytes
+}
+
+// A PUT is fenced whatever token it names (0 means "any copy" to readers, and no lease has it),
+// and again once its bytes are in: a lease lost while they arrived stores nothing.
+void test_puts_are_fenced_before_and_after_their_bytes() {
+    Home a(8ull << 20);
+    const auto blob = random_bytes(100'000, 22);
+    const std::string hash = hex_hash(blob.data(), blob.size());
+    {
+        Raw raw(a.server.port());
+        raw.hello();
+        CHECK(raw.reply().first == 0);
+        raw.send(8, put_body("zero", blob.size(), hash, 0, 0));
+        raw.send_bytes(blob);
+        const auto r = raw.reply();
+        CHECK(r.first == 1 &&
+              std::string(r.second.begin(), r.second.end()).find("FencingError") != std::string::npos);
+        CHECK(a.index->stats().pages == 0 && a.arena->used_bytes() == 0);
+    }
+    {
+        Raw raw(a.server.port());
+        raw.hello();
+        CHECK(raw.reply().first == 0);
+        raw.send(8, put_body("late", blob.size(), hash));
+        raw.send_bytes(std::vector<uint8_t>(blob.begin(), blob.begin() + 50'000));
+        for (int i = 0; i < 1000 && a.arena->used_bytes() == 0; ++i) ::usleep(1000);
+        a.index->set_leases({{1, {1, tc::monotonic_s() + 3600}}});  // shard 0 moved away
+        raw.send_bytes(std::vector<uint8_t>(blob.begin() + 50'000, blob.end()));
+        const auto r = raw.reply();
+        CHECK(r.first == 1 &&
+              std::string(r.second.begin(), r.second.end()).find("FencingError") != std::string::npos);
+        CHECK(a.index->stats().pages == 0 && a.arena->used_bytes() == 0);
+        // The connection goes on: the request was read whole.
+        a.index->set_leases({{0, {1, tc::monotonic_s() + 3600}}});
+        raw.send(8, put_body("late", blob.size(), hash));
+        raw.send_bytes(blob);
+        CHECK(raw.reply().first == 0 && a.index->stats().home_pages == 1);
+    }
+}
+
+// Before HELLO a connection gets nothing read but HELLO: a WAKE (which would keep it open with
+// no token) is answered and the connection closed.
+void test_only_hello_is_read_before_authentication() {
+    Home a;
+    Raw raw(a.server.port());
+    raw.send(6, {});
+    CHECK(raw.reply().first == 1 && raw.closed());
+}
+
+// PUTs in flight on all connections hold at most half the pool: a slow sender's regions cannot
+// starve the others, and nothing is evicted for a put that cannot be taken.
+void test_puts_in_flight_hold_at_most_half_the_pool() {
+    Home a(8ull << 20);
+    const auto page_bytes = random_bytes(1 << 20, 23);
+    CHECK(!tc::remote_put({page("kept", page_bytes)}, {a.home({0})}, 60, false, options()).errors[0]);
+    const auto slow = random_bytes(3 << 20, 24);
+    Raw raw(a.server.port());
+    raw.hello();
+    CHECK(raw.reply().first == 0);
+    raw.send(8, put_body("slow", slow.size(), hex_hash(slow.data(), slow.size())));
+    raw.send_bytes(std::vector<uint8_t>(slow.begin(), slow.begin() + 1000));
+    for (int i = 0; i < 1000 && a.arena->used_bytes() < (4u << 20); ++i) ::usleep(1000);
+    const auto more = random_bytes(2 << 20, 25);
+    auto refused = tc::remote_put({page("more", more)}, {a.home({0})}, 60, false, options());
+    CHECK(refused.errors[0] && refused.errors[0]->kind == "ResourceExhausted");
+    CHECK(a.index->stats().pages == 1);  // nothing evicted for it
+    raw.send_bytes(std::vector<uint8_t>(slow.begin() + 1000, slow.end()));
+    CHECK(raw.reply().first == 0 && a.index->stats().pages == 2);
+    CHECK(!tc::remote_put({page("more", more)}, {a.home({0})}, 60, false, options()).errors[0]);
+}
+
 }  // namespace
 
 int main() {
@@ -437,6 +624,10 @@ int main() {
     test_refusals_keep_the_connection_and_store_nothing();
     test_a_page_damaged_on_its_way_reads_as_absent();
     test_malformed_frames_are_rejected_and_nothing_is_stored();
+    test_a_replayed_part_keeps_nothing_of_the_failed_attempt();
+    test_puts_are_fenced_before_and_after_their_bytes();
+    test_only_hello_is_read_before_authentication();
+    test_puts_in_flight_hold_at_most_half_the_pool();
     if (failures) std::fprintf(stderr, "%d checks failed\n", failures);
     return failures ? 1 : 0;
 }

@@ -100,12 +100,18 @@ def _put_device(
     host = pool_tensor(conn)
     flats = [_flat(v) for v in values]
     offsets = conn.alloc([f.numel() for f in flats])
-    for offset, flat in zip(offsets, flats):
-        if flat.numel():
-            host[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
-    _sync({f.device for f in flats})
-    arena = conn.arena()
-    hashes = native.hash_buffers([arena[o : o + f.numel()] for o, f in zip(offsets, flats)])
+    try:
+        for offset, flat in zip(offsets, flats):
+            if flat.numel():
+                host[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
+        _sync({f.device for f in flats})
+        arena = conn.arena()
+        hashes = native.hash_buffers([arena[o : o + f.numel()] for o, f in zip(offsets, flats)])
+    except BaseException:
+        # The socket has no "free": closing it gives the worker back the regions it allocated
+        # (the connection is broken from now on, and the next call opens another).
+        conn.close()
+        raise
     conn.commit(
         ttl_s,
         [

@@ -102,6 +102,7 @@ private:
     };
     void check_write(const PageWrite& w) const;
     uint64_t allocate_one(uint64_t size, bool evict);
+    bool fits_after_eviction(uint64_t size);
     bool evict_one();
     void remove_locked(std::unordered_map<std::string, Entry>::iterator it);
 

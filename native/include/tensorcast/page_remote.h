@@ -77,6 +77,7 @@ private:
     std::string token_;
     uint64_t arena_bytes_;
     std::atomic<uint32_t> corrupt_countdown_{0};
+    std::atomic<uint64_t> receiving_{0};  // page bytes of PUTs allocated, not yet committed
     std::atomic<uint64_t> requests_{0}, errors_sent_{0}, bytes_received_{0}, bytes_sent_{0},
         active_{0};
 };
