@@ -652,9 +652,7 @@ def test_a_device_put_that_fails_before_its_commit_gives_its_regions_back(
                     conn, 60.0, [("kv/dev/x", 0, 0, "F32", (1 << 18,))], [torch.ones(1 << 18)]
                 )
             assert conn.broken
-            wait_until(
-                lambda: status().page_uncommitted_bytes <= base.page_uncommitted_bytes, 30
-            )
+            wait_until(lambda: status().page_uncommitted_bytes <= base.page_uncommitted_bytes, 30)
             monkeypatch.undo()
             pages.put_pages({"kv/dev/after": torch.ones(8)}, ttl_s=60)
             assert torch.equal(pages.get_pages(["kv/dev/after"])[0].tensor(), torch.ones(8))
