@@ -59,12 +59,19 @@ class HostPool:
         self._page(index)[...] = data_page.reshape(self._page(index).shape)
 
 
-def _backend(cluster, model: str = "tiny", rank: int = 0, size: int = 1) -> HiCacheStorage:
+def _backend(
+    cluster,
+    model: str = "tiny",
+    rank: int = 0,
+    size: int = 1,
+    v1: bool = True,
+    pp: tuple[int, int] = (0, 1),
+) -> HiCacheStorage:
     config = HiCacheStorageConfig(
         tp_rank=rank,
         tp_size=size,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp[0],
+        pp_size=pp[1],
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=False,
@@ -75,7 +82,7 @@ def _backend(cluster, model: str = "tiny", rank: int = 0, size: int = 1) -> HiCa
             "backend_name": "tensorcast",
             "module_path": "tensorcast.integrations.sglang",
             "class_name": "TensorCastHiCacheStorage",
-            "interface_v1": 1,
+            **({"interface_v1": 1} if v1 else {}),
             "state_dir": str(cluster.state_dir),
         },
     )
@@ -104,6 +111,10 @@ def test_loaded_by_sglangs_factory_and_shared_between_instances(cluster):
     # Another model, or another tensor-parallel rank (its own heads), never sees them.
     assert _backend(cluster, model="other").batch_exists(["h0"]) == 0
     assert _backend(cluster, rank=1, size=2).batch_exists(["h0"]) == 0
+    # Pipeline stages hold other layers under the same hashes: they never meet either.
+    stage0, stage1 = _backend(cluster, pp=(0, 2)), _backend(cluster, pp=(1, 2))
+    assert stage0.batch_set(["h9"], [values[0]])
+    assert stage0.batch_exists(["h9"]) == 1 and stage1.batch_exists(["h9"]) == 0
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
@@ -148,3 +159,19 @@ def test_a_damaged_page_reads_as_missing(cluster):
     ]
     assert torch.equal(target.get_data_page(0), source.get_data_page(0))
     assert not torch.equal(target.get_data_page(8), source.get_data_page(4))
+
+
+def test_without_interface_v1_values_are_found_with_a_host_pool_registered(cluster):
+    """SGLang registers its host pool whatever the interface; without interface_v1 it stores
+    and reads values by key (batch_set / batch_get), and lookups must ask for those keys."""
+    writer, reader = (
+        _backend(cluster, model="values", v1=False),
+        _backend(cluster, model="values", v1=False),
+    )
+    writer.register_mem_pool_host(HostPool(16, seed=5))
+    reader.register_mem_pool_host(HostPool(16, seed=6))
+    value = torch.arange(32, dtype=torch.float32)
+    assert writer.batch_set(["g0"], [value])
+    assert reader.batch_exists(["g0", "g1"]) == 1 and reader.exists("g0")
+    (got,) = reader.batch_get(["g0"])
+    assert got is not None and torch.equal(got, value)

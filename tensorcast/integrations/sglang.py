@@ -45,6 +45,18 @@ FACTORY_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
 EXTRA_KEYS = {"addr", "token", "state_dir", "ttl_s", "model_key"}
 
 
+def _rank_of(config: HiCacheStorageConfig) -> str:
+    """Which share of the model's KV this process holds: its tensor-parallel rank (MHA heads
+    are split per rank; an MLA page is the same on every rank), and its pipeline stage and
+    context-parallel ranks when there are several (each holds other layers or other tokens)."""
+    rank = "mla" if config.is_mla_model else f"{config.tp_rank}of{config.tp_size}"
+    for name in ("pp", "attn_cp", "dcp"):
+        size = int(getattr(config, f"{name}_size", 1) or 1)
+        if size > 1:
+            rank += f".{name}{int(getattr(config, f'{name}_rank', 0) or 0)}of{size}"
+    return rank
+
+
 class TensorCastHiCacheStorage(HiCacheStorage):
     """`HiCacheStorage` whose pages are TensorCast KV pages in the cluster's shard homes."""
 
@@ -59,13 +71,11 @@ class TensorCastHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.ttl_s = float(extra.get("ttl_s", DEFAULT_TTL_S))
         model = str(extra.get("model_key") or storage_config.model_name or "model")
-        rank = (
-            "mla"
-            if storage_config.is_mla_model
-            else f"{storage_config.tp_rank}of{storage_config.tp_size}"
-        )
-        self.prefix = f"sglang/{digest_of(model)}/{rank}"
+        self.prefix = f"sglang/{digest_of(model)}/{_rank_of(storage_config)}"
         self.is_writer = storage_config.is_storage_writer
+        # SGLang moves host-pool pages (batch_*_v1) only with interface_v1; otherwise it stores
+        # values by key (batch_set/batch_get) even with a host pool registered.
+        self.interface_v1 = bool(extra.get("interface_v1"))
         self._pages = runtime(**connection_options(extra, "hicache storage"), role="sglang").pages()
         self.mem_pool_host: Any = None
         self._layout = ""
@@ -229,7 +239,7 @@ class TensorCastHiCacheStorage(HiCacheStorage):
         pool pages count only when every part is there."""
         if not keys:
             return 0
-        if self.mem_pool_host is not None and self._layout:
+        if self.interface_v1 and self.mem_pool_host is not None and self._layout:
             parts = max(1, len(self._parts(0)))
             names = [n for k in keys for n in self._pool_keys(k, parts)]
         else:
