@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import wait_until
@@ -66,7 +67,7 @@ def stats(llm):
     get_kv_transfer_group().finish_saves()
     drain(llm)
     names = ("external_prefix_cache_hits", "tensorcast_loaded_blocks",
-             "tensorcast_failed_blocks", "tensorcast_saved_blocks")
+             "tensorcast_failed_blocks", "tensorcast_saved_blocks", "tensorcast_dropped_saves")
     return {n: metric(llm, "vllm:" + n) for n in names}
 
 def close(llm):
@@ -108,15 +109,16 @@ def page_keys(conn, prompt):
     return [keys.page_key(keys.block_prefix(conn.model_key, conn.layout_key, c), 0, layer, 0)
             for c in chains for layer in range(len(conn.layer_names))]
 
-def damage(pages, names):
-    # Overwrite the start of each stored page in its home's pool (same host: mapped here).
+def damage(pages, names, whole=False):
+    # Overwrite the start (or all) of each stored page in its home's pool (same host: mapped).
     table = pages.table()
     for key in names:
         shard = shard_of(key, table.num_shards)
         lease = table.lease(shard)
         conn = pages._local(lease)
         (found,) = conn.get([(key, shard, lease.token)])
-        conn.arena()[found[0] : found[0] + 8] = b"garbage!"
+        size = found[1] if whole else 8
+        conn.arena()[found[0] : found[0] + size] = (b"garbage!" * (size // 8 + 1))[:size]
 
 def wait_until(predicate, timeout_s):
     deadline = time.monotonic() + timeout_s
@@ -146,6 +148,26 @@ if __name__ == "__main__":
     drain(llm)
     assert llm.reset_prefix_cache()
     steps["deleted"] = {"tokens": tokens(llm, LONG), **stats(llm)}
+    # A load that fails in a step that also computes later blocks: the KV that step computes
+    # over the damaged block is never stored (the recompute stores the right one).
+    conn = get_kv_transfer_group()
+    longer = LONG + [(i * 13 + 7) % 500 + 3 for i in range(6 * BLOCK)]
+    every = page_keys(conn, longer)
+    tail = every[len(names):]
+    damage(pages, names[-len(conn.layer_names):], whole=True)  # LONG's last block, all layers
+    drain(llm)
+    assert llm.reset_prefix_cache()
+    steps["failed_longer"] = {"tokens": tokens(llm, longer), **stats(llm)}
+    after_failure = [p.tensor().float() for p in pages.get_pages(tail)]
+    pages.put_pages({k: b"x" for k in every}, ttl_s=0.001)
+    wait_until(lambda: not any(pages.exists_pages(every)), 30)
+    drain(llm)
+    assert llm.reset_prefix_cache()
+    steps["clean_longer"] = {"tokens": tokens(llm, longer), **stats(llm)}
+    clean = [p.tensor().float() for p in pages.get_pages(tail)]
+    steps["tail_pages"] = len(tail)
+    steps["tail_scale"] = max(float(c.abs().max()) for c in clean)
+    steps["tail_diff"] = max(float((a - c).abs().max()) for a, c in zip(after_failure, clean))
     print("RESULT " + json.dumps(steps), flush=True)
 """
 )
@@ -271,6 +293,69 @@ def test_second_process_hits_and_recomputes_damaged_or_deleted_pages(cluster, fi
     assert deleted["tokens"] == expected
     assert deleted["external_prefix_cache_hits"] == repaired["external_prefix_cache_hits"]
     assert deleted["tensorcast_failed_blocks"] == repaired["tensorcast_failed_blocks"]
+    # A failed load in a step computing six more blocks: that step's saves were dropped, the
+    # recompute stored the blocks, and they hold what a clean computation stores.
+    failed, clean = steps["failed_longer"], steps["clean_longer"]
+    assert failed["tokens"] == clean["tokens"]
+    assert failed["tensorcast_failed_blocks"] > deleted["tensorcast_failed_blocks"]
+    assert failed["tensorcast_dropped_saves"] >= 1
+    assert steps["tail_pages"] == 6 * 2  # six blocks, two layers
+    diff, scale = steps["tail_diff"], steps["tail_scale"]
+    assert diff <= 0.02 * scale, (diff, scale)
+
+
+def test_a_strided_block_is_read_through_a_contiguous_buffer_of_its_shape():
+    """vLLM's default GPU KV layout keeps tokens before heads in memory and hands the connector
+    [blocks, heads, tokens, head size] views: one block is dense but strided. Its page is read
+    into a contiguous buffer of the block's shape, then copied into the block."""
+    import torch
+
+    from tensorcast.integrations.vllm.connector import _staging
+
+    physical = torch.arange(3 * 16 * 4 * 32, dtype=torch.float32).reshape(3, 16, 4, 32)
+    block = physical.permute(0, 2, 1, 3).select(0, 1)  # [heads, tokens, head size]
+    assert not block.is_contiguous()
+    buffer = _staging(block)
+    assert buffer.is_contiguous() and buffer.shape == block.shape
+    page = torch.randn(block.shape)
+    buffer.view(-1).view(torch.uint8).copy_(page.view(-1).view(torch.uint8))  # as get_pages(into=)
+    block.copy_(buffer)
+    assert torch.equal(physical[1].permute(1, 0, 2), page)
+    contiguous = physical[2]
+    assert _staging(contiguous) is contiguous  # read in place
+
+
+def test_requests_with_adapters_salts_or_images_get_their_own_chains():
+    """The scheduler side names a request's blocks from where its chain starts: a LoRA
+    adapter, a cache salt or an image changes the KV of the same token ids, so each looks up
+    and saves under other keys; prompt embeddings (no token ids) are left alone."""
+    from types import SimpleNamespace
+
+    from tensorcast.integrations.vllm import keys
+    from tensorcast.integrations.vllm.connector import _Tracked
+
+    def request(**kw):
+        base = dict(
+            all_token_ids=list(range(96)),
+            prompt_embeds=None,
+            lora_request=None,
+            cache_salt=None,
+            mm_features=[],
+        )
+        return SimpleNamespace(**{**base, **kw})
+
+    plain = _Tracked(request()).chains_to(3, BLOCK)
+    assert plain == keys.chain_hashes(list(range(96)), BLOCK)  # what instances compute too
+    others = [
+        _Tracked(request(lora_request=SimpleNamespace(lora_name="a", lora_path="/a"))).chains_to(
+            3, BLOCK
+        ),
+        _Tracked(request(cache_salt="tenant")).chains_to(3, BLOCK),
+        _Tracked(request(mm_features=[SimpleNamespace(identifier="img")])).chains_to(3, BLOCK),
+    ]
+    assert all(not set(o) & set(plain) for o in others)
+    assert len({tuple(o) for o in others}) == 3
+    assert _Tracked(request(prompt_embeds=object())).root is None
 
 
 def test_llm_construction_reports_clear_errors(cluster, tiny_model, first_run):
@@ -337,6 +422,16 @@ def _generate(endpoint: str, req_id: str, prompt: list[int] | None, n: int) -> l
     return engine_request(endpoint, "POST", "/generate", body, timeout_s=120)["tokens"]
 
 
+def _cmdlines() -> list[bytes]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
 def _metric(openai: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{openai}/metrics", timeout=30).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
@@ -350,6 +445,11 @@ def test_tc_migrate_between_vllm_instances_continues_token_identically(cluster, 
     }
     try:
         a, b = (_ready(cluster, iid, proc) for iid, proc in procs.items())
+        # The cluster token reaches vllm serve in its environment: never on a command line
+        # (readable by every local user) or in vLLM's log of its arguments.
+        servers = [c for c in _cmdlines() if b"vllm.entrypoints" in c]
+        assert len(servers) >= 2 and not any(cluster.token.encode() in c for c in servers)
+        assert cluster.token not in (cluster.state_dir / "logs" / "vllm-a.vllm.log").read_text()
         prompt = [(i * 29 + 5) % 500 + 3 for i in range(300)]
         first = _generate(a["endpoint"], "conv", prompt, 8)
         moved = cluster.tc(

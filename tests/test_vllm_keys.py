@@ -85,3 +85,55 @@ def test_model_key_follows_the_directory(tmp_path):
     assert keys.model_key_of_dir(model, {"dtype": "bf16"}) != first
     (model / keys.MARKER_FILE).write_text(json.dumps({"content_id": "c1-abc", "artifact": "x"}))
     assert keys.model_key_of_dir(model, {"dtype": "bf16"}) == "c1-abc"  # the weights' identity
+    # Two fine-tunes of one architecture: same config, same headers, other weights.
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    (tuned / "config.json").write_text(json.dumps({"hidden_size": 128}))
+    (model / "config.json").write_text(json.dumps({"hidden_size": 128}))
+    (model / keys.MARKER_FILE).unlink()
+    (tuned / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header + bytes([1]) + bytes(7)
+    )
+    assert keys.model_key_of_dir(tuned, {"dtype": "bf16"}) != keys.model_key_of_dir(
+        model, {"dtype": "bf16"}
+    )
+    # Weights in other formats count too.
+    (tuned / "extra.bin").write_bytes(b"\0" * 16)
+    before = keys.model_key_of_dir(tuned)
+    (tuned / "extra.bin").write_bytes(b"\1" + b"\0" * 15)
+    assert keys.model_key_of_dir(tuned) != before
+
+
+def test_what_changes_the_kv_besides_the_tokens_starts_another_chain():
+    """LoRA adapters, cache salts and multimodal inputs change a block's KV without changing its
+    token ids: each starts the request's chain elsewhere, so nothing of another's is loaded.
+    Plain prompts keep the root every engine (and the instance's exports) computes."""
+    assert keys.request_root() == keys.ROOT_CHAIN
+    roots = [
+        keys.request_root(),
+        keys.request_root(lora=("sql", "/adapters/sql")),
+        keys.request_root(lora=("sql", "/adapters/sql-v2")),
+        keys.request_root(cache_salt="tenant-a"),
+        keys.request_root(cache_salt="tenant-b"),
+        keys.request_root(mm=["img-1"]),
+        keys.request_root(mm=["img-2"]),
+    ]
+    assert len(set(roots)) == len(roots)
+    assert keys.request_root(cache_salt="tenant-a") == roots[3]  # stable
+    tokens = list(range(64))
+    chains = {tuple(keys.chain_hashes(tokens, 16, parent=r)) for r in roots}
+    assert len(chains) == len(roots)
+
+
+def test_save_range_catches_up_with_tokens_known_a_step_late():
+    """Blocks of 4 tokens. Async scheduling: the step that fills block 2 (computing token 11)
+    does not know token 11's id yet; the next step saves block 2."""
+    assert keys.save_range(0, 0, 10, 10, 4) == (0, 2)  # prefill of 10 tokens: blocks 0-1
+    assert keys.save_range(2, 10, 1, 11, 4) == (2, 2)  # token 10: block 2 not full
+    assert keys.save_range(2, 11, 1, 11, 4) == (2, 2)  # token 11 fed, its id not known yet
+    assert keys.save_range(2, 12, 1, 12, 4) == (2, 3)  # now it is: block 2 saved late
+    assert keys.save_range(3, 13, 1, 14, 4) == (3, 3)
+    # Synchronous scheduling gives the same blocks, one step earlier.
+    assert keys.save_range(2, 11, 1, 12, 4) == (2, 3)
+    # Computed tokens went back (recompute after a failed load): saved again from there.
+    assert keys.save_range(5, 8, 12, 20, 4) == (2, 5)

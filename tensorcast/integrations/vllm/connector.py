@@ -75,6 +75,7 @@ EXTRA_KEYS = {
     "describe_to",
 }
 DEFAULT_TTL_S = 3600.0
+MAX_REWRITES = 65_536  # failed block prefixes remembered until their recompute saves them
 STAT_NAMES = (
     "lookups",  # get_num_new_matched_tokens calls that asked the homes
     "hit_blocks",  # blocks those lookups found complete
@@ -85,6 +86,7 @@ STAT_NAMES = (
     "skipped_blocks",  # blocks to save that the homes held already
     "saved_bytes",
     "save_errors",
+    "dropped_saves",  # saves of a step whose loads failed for the request (recomputed)
     "load_s",
     "save_s",
 )
@@ -184,7 +186,16 @@ class TensorCastConnector(KVConnectorBase_V1):
         # A page is a cache entry: failing to load one costs a recompute, never a request.
         self._kv_transfer_config.kv_load_failure_policy = failure
         self.block_size = vllm_config.cache_config.block_size
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        parallel = vllm_config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        for option in ("pipeline_parallel_size", "decode_context_parallel_size"):
+            if int(getattr(parallel, option, 1) or 1) > 1:
+                # Each stage (or context rank) holds other layers (or tokens) of a block under
+                # the same rank and layer numbers: their pages would overwrite each other.
+                raise InvalidArgument(
+                    f"TensorCastConnector does not support {option} > 1 yet (tensor "
+                    "parallelism only)"
+                )
         self.layer_names = _attention_layers(kv_cache_config)
         self.model_key = str(extra.get("model_key") or _model_key(vllm_config))
         self.layout_key = keys.digest_of(_layout(vllm_config, kv_cache_config, self.layer_names))
@@ -199,7 +210,8 @@ class TensorCastConnector(KVConnectorBase_V1):
         self._saver: ThreadPoolExecutor | None = None
         self._in_flight: dict[str, int] = defaultdict(int)  # saves per request
         self._saved_any: set[str] = set()
-        self._rewrite: set[str] = set()  # block prefixes whose stored pages failed to load
+        self._rewrite: dict[str, None] = {}  # block prefixes whose stored pages failed to load
+        self._load_failed: set[str] = set()  # requests whose loads failed in this step
         self._finished: set[str] = set()
         self._futures: set[Future] = set()
         self._lock = threading.Lock()
@@ -274,6 +286,8 @@ class TensorCastConnector(KVConnectorBase_V1):
             return 0, False
         tracked = self._tracked(request)
         tracked.load_start = tracked.load_blocks = 0
+        if tracked.root is None:
+            return 0, False
         tokens = request.all_token_ids
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
         start = num_computed_tokens // self.block_size
@@ -327,10 +341,15 @@ class TensorCastConnector(KVConnectorBase_V1):
             tracked = self._requests.get(req_id)
             if tracked is None or self._kv_cache_manager is None:
                 continue
+            if tracked.root is None:
+                continue
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             tokens = tracked.request.all_token_ids
-            first = computed // self.block_size
-            end = min(computed + scheduled, len(tokens)) // self.block_size
+            if tracked.saved is None:  # blocks before it came from a cache: stored already
+                tracked.saved = computed // self.block_size
+            first, end = keys.save_range(
+                tracked.saved, computed, scheduled, len(tokens), self.block_size
+            )
             if end <= first:
                 continue
             (block_ids,) = self._kv_cache_manager.get_block_ids(req_id)[:1]
@@ -343,6 +362,7 @@ class TensorCastConnector(KVConnectorBase_V1):
             )
             if job.block_ids:
                 tracked.saving = True
+                tracked.saved = first + len(job.block_ids)
                 meta.saves.append(job)
         return meta
 
@@ -394,13 +414,14 @@ class TensorCastConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         wanted: list[str] = []
         targets: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # block, view, buffer
+        owners: list[str] = []  # the request of each page
         for job in meta.loads:
             for block_id, prefix in zip(job.block_ids, job.prefixes):
                 for layer, key in enumerate(self._page_keys(prefix)):
                     view = self._block(layer, block_id)
-                    buffer = view if view.is_contiguous() else torch.empty_like(view)
                     wanted.append(key)
-                    targets.append((block_id, view, buffer))
+                    targets.append((block_id, view, _staging(view)))
+                    owners.append(job.req_id)
         failed: set[int] = set()
         try:
             pages = self._pages("load").get_pages(
@@ -410,11 +431,17 @@ class TensorCastConnector(KVConnectorBase_V1):
             log.warning("TensorCast KV load failed, recomputing %d pages: %s", len(wanted), e)
             pages = [None] * len(wanted)
         loaded_bytes = 0
-        for (block_id, view, buffer), key, page in zip(targets, wanted, pages):
+        for (block_id, view, buffer), key, page, owner in zip(targets, wanted, pages, owners):
             if page is None or page.shape != tuple(view.shape) or page.dtype != _dtype(view):
                 failed.add(block_id)
-                with self._lock:  # the recompute saves it again, over what is stored
-                    self._rewrite.add(key.rsplit("/", 1)[0])
+                # This step's forward reads the block as it is: nothing the request computes
+                # in it may be saved (wait_for_save drops its saves; vLLM recomputes it).
+                self._load_failed.add(owner)
+                if self.save_enabled:
+                    with self._lock:  # the recompute saves it again, over what is stored
+                        self._rewrite[key.rsplit("/", 1)[0]] = None
+                        while len(self._rewrite) > MAX_REWRITES:  # never saved again: forget
+                            del self._rewrite[next(iter(self._rewrite))]
                 continue
             if buffer is not view:
                 view.copy_(buffer)
@@ -448,11 +475,17 @@ class TensorCastConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Hands this step's full blocks to the save thread and returns at once."""
         meta = self._connector_metadata
+        failed, self._load_failed = self._load_failed, set()
         if not isinstance(meta, TensorCastConnectorMetadata) or not meta.saves:
             return
         if self._saver is None:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="tensorcast-kv-save")
         for job in meta.saves:
+            if job.req_id in failed:
+                # Computed over a block whose load failed: wrong KV under right keys, which
+                # every engine would then load. The recompute saves these blocks again.
+                self._count(dropped_saves=1)
+                continue
             with self._lock:
                 self._in_flight[job.req_id] += 1
                 self._saved_any.add(job.req_id)
@@ -476,7 +509,8 @@ class TensorCastConnector(KVConnectorBase_V1):
             client = self._pages("save")
             with self._lock:
                 rewrite = {p for p in job.prefixes if p in self._rewrite}
-                self._rewrite -= rewrite
+                for prefix in rewrite:
+                    del self._rewrite[prefix]
             names = list(pages)
             present = client.exists_pages(names)
             todo = {
@@ -543,12 +577,20 @@ class _Tracked:
     load_start: int = 0
     load_blocks: int = 0
     saving: bool = False
+    saved: int | None = None  # blocks before this one were handed to saving
+    # Where the request's chain starts; None: a request the connector leaves alone (prompt
+    # embeddings: no token ids name its KV).
+    root: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root = _root_of(self.request)
 
     def chains_to(self, blocks: int, block_size: int) -> list[str]:
         """Chain hashes of the first `blocks` blocks, extended from those computed before."""
         if len(self.chains) < blocks:
+            assert self.root is not None
             tokens = self.request.all_token_ids[: blocks * block_size]
-            parent = self.chains[-1] if self.chains else keys.ROOT_CHAIN
+            parent = self.chains[-1] if self.chains else self.root
             self.chains += keys.chain_hashes(tokens, block_size, len(self.chains), parent)
         return self.chains
 
@@ -572,6 +614,27 @@ def _warm(pages: Any, write: bool) -> None:
         pages.put_pages(dict.fromkeys(names, b"\0"), 60.0)
     else:
         pages.exists_pages(names)
+
+
+def _root_of(request: Any) -> str | None:
+    """The request's chain root (`keys.request_root`): what besides its tokens changes its KV."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    return keys.request_root(
+        lora=(str(lora.lora_name), str(lora.lora_path)) if lora else None,
+        cache_salt=getattr(request, "cache_salt", None),
+        mm=[str(f.identifier) for f in getattr(request, "mm_features", None) or []],
+    )
+
+
+def _staging(view: torch.Tensor) -> torch.Tensor:
+    """Where a block's page is read: the block itself when contiguous, else a contiguous
+    buffer of its shape (copied in after). Not `empty_like`, which keeps a strided view's
+    strides (e.g. a per-layer view of vLLM's default GPU layout, heads before tokens)."""
+    if view.is_contiguous():
+        return view
+    return torch.empty(tuple(view.shape), dtype=view.dtype, device=view.device)
 
 
 def _write_json(path: str, value: Any) -> None:

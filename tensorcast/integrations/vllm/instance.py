@@ -24,6 +24,7 @@ the connector's pages (keyed by the token prefix), and:
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -69,7 +70,12 @@ class VLLMServer:
         self.addr = f"{host}:{port}"
         self.describe_to = describe_to
         describe_to.unlink(missing_ok=True)
-        conn = {k: v for k, v in connection.items() if v}
+        # The token goes in the child's environment (TC_TOKEN), not its command line: argv is
+        # readable by every local user (/proc/PID/cmdline), and vLLM logs its arguments.
+        conn = {k: v for k, v in connection.items() if v and k != "token"}
+        self.env = dict(os.environ)
+        if connection.get("token"):
+            self.env["TC_TOKEN"] = connection["token"]
         loader = {"artifact": artifact, **conn}
         kv = {
             "kv_connector": CONNECTOR_NAME,
@@ -114,7 +120,7 @@ class VLLMServer:
         out: Any = subprocess.DEVNULL
         if self.log_path is not None:
             out = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it)
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
