@@ -358,6 +358,67 @@ def test_requests_with_adapters_salts_or_images_get_their_own_chains():
     assert _Tracked(request(prompt_embeds=object())).root is None
 
 
+def test_a_preemption_waits_only_for_the_preempted_requests_saves():
+    """Saves run on one background thread. A step that preempts a request frees its blocks, so
+    its saves must not read them later: those not started are cancelled, and the step does not
+    wait for other requests' saves (a slow cluster would stall the engine on each one)."""
+    import threading
+    from collections import defaultdict
+
+    from tensorcast.integrations.vllm.connector import (
+        BlockJob,
+        TensorCastConnector,
+        TensorCastConnectorMetadata,
+        TensorCastConnectorStats,
+    )
+
+    # The worker side's bookkeeping only (no engine): saves are stand-ins that block until told.
+    conn = object.__new__(TensorCastConnector)
+    conn.__dict__.update(
+        _lock=threading.Lock(),
+        _stats_lock=threading.Lock(),
+        _stats=TensorCastConnectorStats(),
+        _futures={},
+        _in_flight=defaultdict(int),
+        _saved_any=set(),
+        _finished=set(),
+        _load_failed=set(),
+        _saver=None,
+    )
+    release = threading.Event()
+    started = []
+
+    def slow_save(job: BlockJob) -> None:
+        started.append(job.req_id)
+        release.wait(60)
+        with conn._lock:
+            conn._in_flight[job.req_id] -= 1
+
+    conn._save = slow_save
+    conn._connector_metadata = TensorCastConnectorMetadata(
+        saves=[BlockJob("busy", [1], ["p1"]), BlockJob("preempted", [2], ["p2"])]
+    )
+    conn.wait_for_save()
+    wait_until(lambda: started == ["busy"], 30, 0.01)
+    preempting = threading.Thread(
+        target=conn.handle_preemptions,
+        args=(TensorCastConnectorMetadata(preempted={"preempted"}),),
+    )
+    preempting.start()
+    preempting.join(30)
+    try:
+        assert not preempting.is_alive()  # it did not wait for "busy"'s save
+        assert conn.get_finished({"preempted"}) == ({"preempted"}, None)
+        assert conn.get_finished({"busy"}) == (None, None)  # still saving
+        assert conn.get_kv_connector_stats().data["cancelled_saves"] == 1
+    finally:
+        release.set()
+    conn.finish_saves()
+    assert started == ["busy"]  # the cancelled save never ran
+    assert conn.get_finished(set()) == ({"busy"}, None)
+    conn.shutdown()
+
+
 def test_llm_construction_reports_clear_errors(cluster, tiny_model, first_run):
     out = _run(cluster, ERRORS, tiny_model)
     assert out["missing"][0] == "NotFound"

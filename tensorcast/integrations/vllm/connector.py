@@ -74,7 +74,6 @@ EXTRA_KEYS = {
     "load_failure",
     "describe_to",
 }
-DEFAULT_TTL_S = 3600.0
 MAX_REWRITES = 65_536  # failed block prefixes remembered until their recompute saves them
 STAT_NAMES = (
     "lookups",  # get_num_new_matched_tokens calls that asked the homes
@@ -87,6 +86,7 @@ STAT_NAMES = (
     "saved_bytes",
     "save_errors",
     "dropped_saves",  # saves of a step whose loads failed for the request (recomputed)
+    "cancelled_saves",  # saves not started when their request was preempted
     "load_s",
     "save_s",
 )
@@ -105,7 +105,7 @@ class BlockJob:
 class TensorCastConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockJob] = field(default_factory=list)
     saves: list[BlockJob] = field(default_factory=list)
-    preempted: bool = False  # this step frees preempted requests' blocks
+    preempted: set[str] = field(default_factory=set)  # requests whose blocks this step frees
 
 
 @dataclass
@@ -177,7 +177,7 @@ class TensorCastConnector(KVConnectorBase_V1):
                 f"(known: {sorted(EXTRA_KEYS)})"
             )
         self.connection = connection.connection_options(extra, "kv_connector_extra_config")
-        self.ttl_s = float(extra.get("ttl_s", DEFAULT_TTL_S))
+        self.ttl_s = float(extra.get("ttl_s", keys.PAGE_TTL_S))
         self.load_enabled = _flag(extra, "load") and self._kv_transfer_config.is_kv_consumer
         self.save_enabled = _flag(extra, "save") and self._kv_transfer_config.is_kv_producer
         failure = extra.get("load_failure", "recompute")
@@ -213,7 +213,7 @@ class TensorCastConnector(KVConnectorBase_V1):
         self._rewrite: dict[str, None] = {}  # block prefixes whose stored pages failed to load
         self._load_failed: set[str] = set()  # requests whose loads failed in this step
         self._finished: set[str] = set()
-        self._futures: set[Future] = set()
+        self._futures: dict[Future, str] = {}  # saves not done yet -> their request
         self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER and self.load_enabled:
             _warm(self._pages("lookup"), write=False)  # an unreachable cluster fails LLM() here
@@ -329,7 +329,7 @@ class TensorCastConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TensorCastConnectorMetadata(
-            loads=self._pending_loads, preempted=bool(scheduler_output.preempted_req_ids)
+            loads=self._pending_loads, preempted=set(scheduler_output.preempted_req_ids or ())
         )
         self._pending_loads = []
         if not self.save_enabled:
@@ -491,12 +491,12 @@ class TensorCastConnector(KVConnectorBase_V1):
                 self._saved_any.add(job.req_id)
             future = self._saver.submit(self._save, job)
             with self._lock:
-                self._futures.add(future)
+                self._futures[future] = job.req_id
             future.add_done_callback(self._futures_discard)
 
     def _futures_discard(self, future: Future) -> None:
         with self._lock:
-            self._futures.discard(future)
+            self._futures.pop(future, None)
 
     def _save(self, job: BlockJob) -> None:
         started = time.perf_counter()
@@ -535,18 +535,32 @@ class TensorCastConnector(KVConnectorBase_V1):
                 self._in_flight[job.req_id] -= 1
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Preemption frees blocks for reuse in this step: finish reading them first."""
-        if isinstance(kv_connector_metadata, TensorCastConnectorMetadata) and (
-            kv_connector_metadata.preempted
-        ):
-            self.finish_saves()
+        """Preemption frees the preempted requests' blocks for reuse in this step: their saves
+        that have not started are cancelled (a future miss; the request saves its blocks again
+        when it is recomputed), one already reading its blocks is waited for. Other requests'
+        saves go on in the background."""
+        if not isinstance(kv_connector_metadata, TensorCastConnectorMetadata):
+            return
+        preempted = kv_connector_metadata.preempted
+        if not preempted:
+            return
+        with self._lock:
+            theirs = [(f, req_id) for f, req_id in self._futures.items() if req_id in preempted]
+        for future, req_id in theirs:
+            if future.cancel():  # never runs: its _save's bookkeeping is done here
+                with self._lock:
+                    self._in_flight[req_id] -= 1
+                self._count(cancelled_saves=1)
+            else:
+                future.result()
 
     def finish_saves(self) -> None:
         """Blocks until every save handed to the save thread is done (its counts recorded)."""
         with self._lock:
             pending = list(self._futures)
         for future in pending:
-            future.result()
+            if not future.cancelled():
+                future.result()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:

@@ -324,7 +324,11 @@ class VLLMInstance(InstanceAdaptor):
             if req_id in self._conversations:
                 raise AlreadyExists(f"request {req_id!r} is resident here: evict it first")
         if names:
-            self.rt.pages().put_pages({key: export.pages[name] for name, key in names})
+            # Under the lease the engine's own saves take (the instance starts it without
+            # `ttl_s`), not put_pages' default: a conversation resumed later still hits.
+            self.rt.pages().put_pages(
+                {key: export.pages[name] for name, key in names}, keys.PAGE_TTL_S
+            )
         with self._lock:
             if req_id in self._conversations:
                 raise AlreadyExists(f"request {req_id!r} became resident meanwhile")

@@ -29,6 +29,7 @@ from typing import Any
 ROOT_CHAIN = "0" * 32
 KEY_PREFIX = "vllm"
 MARKER_FILE = ".tensorcast.json"  # written by `prepare_model_dir` beside config.json
+PAGE_TTL_S = 3600.0  # a block page's lease, unless the connector's `ttl_s` says otherwise
 
 
 def chain_hashes(
