@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.safetensors_file import SafetensorsHeader, read_header
+from tensorcast.safetensors_file import SafetensorsHeader, duplicate_keys, read_header
 from tensorcast.types import TENSOR_ALIGN_BYTES, TensorMeta, align_up
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -69,8 +69,7 @@ def layout(files: ModelFiles) -> FileLayout:
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    dupes = duplicate_keys(pairs)
     if dupes:
         raise InvalidArgument(f"{INDEX_FILE} names tensors twice: {dupes[:5]}")
     return dict(pairs)
@@ -120,7 +119,7 @@ def _indexed(directory: Path, index_path: Path) -> list[SafetensorsHeader]:
         assert isinstance(weight_map, dict)
     except InvalidArgument:
         raise
-    except (ValueError, KeyError, AssertionError, TypeError):
+    except (ValueError, KeyError, AssertionError, TypeError, RecursionError):
         raise InvalidArgument(
             f"{index_path}: not a valid index (needs a weight_map object)"
         ) from None

@@ -41,11 +41,16 @@ class SafetensorsHeader:
     metadata: dict[str, str]
 
 
+def duplicate_keys(pairs: list[tuple[str, object]]) -> list[str]:
+    """Keys named more than once, sorted (linear: an index may name 100,000 tensors)."""
+    seen: set[str] = set()
+    return sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+
+
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(keys) != len(set(keys)):
-        dupes = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"duplicate keys in header: {dupes}")
+    dupes = duplicate_keys(pairs)
+    if dupes:
+        raise ValueError(f"duplicate keys in header: {dupes[:5]}")
     return dict(pairs)
 
 
@@ -76,6 +81,8 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad(f"header is not valid JSON: {e}") from None
+    except RecursionError:  # nested deeper than the parser's stack: no header is
+        raise bad("header nests too deeply") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 from conftest import pool_used, wait_until, worker_contents
@@ -260,3 +263,27 @@ def test_put_right_after_delete_of_the_same_content(rt):
         art = rt.put(data, f"again-{i}-b")
         assert torch.equal(art.tensor_dict()["w"], data["w"])
         rt.delete(f"again-{i}-b")
+
+
+def test_a_reply_that_came_too_late_is_never_taken_for_the_next_one(fresh_cluster):
+    """A same-host request that times out leaves the worker's late reply in the socket; the
+    next request must not read it as its own (it would get another artifact's tensors, or
+    another reservation's pool offsets to write to). The connection is dropped and the next
+    request opens a fresh one; tensors mapped through the old one stay valid."""
+    with tc.connect(state_dir=fresh_cluster.state_dir, timeout_s=1.0) as rt:
+        zeros = rt.put({"w": torch.zeros(64)}, "late/a")
+        ones = rt.put({"w": torch.ones(64)}, "late/b")
+        kept = rt.put({"w": torch.full((64,), 3.0)}, "late/c").tensor_dict()["w"]
+        worker = fresh_cluster.pid("worker-1")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            with pytest.raises((tc.Unavailable, tc.DeadlineExceeded)):
+                zeros.tensor_dict()  # its "open" is answered after the caller gave up
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        # The handles put returned ask the worker directly (no lookup first).
+        assert torch.equal(ones.tensor_dict()["w"], torch.ones(64))
+        twos = rt.put({"w": torch.full((64,), 2.0)}, "late/d")
+        assert torch.equal(twos.tensor_dict()["w"], torch.full((64,), 2.0))
+        assert torch.equal(zeros.tensor_dict()["w"], torch.zeros(64))
+        assert torch.equal(kept, torch.full((64,), 3.0))

@@ -144,6 +144,31 @@ def test_bad_input_registers_nothing(fresh_cluster, tmp_path):
     assert "needs a live worker on this host" in out.stderr
 
 
+def test_headers_and_indexes_nested_or_repeating_are_refused_and_the_session_goes_on(
+    fresh_cluster, tmp_path
+):
+    """A header nested deeper than the JSON parser's stack, or an index naming a tensor twice:
+    InvalidArgument (parsed on the worker for references), and the caller's connection and the
+    tensors it maps are untouched."""
+    nested = b"[" * 200_000 + b"]" * 200_000
+    deep = tmp_path / "deep.safetensors"
+    deep.write_bytes(len(nested).to_bytes(8, "little") + nested)
+    twice = tmp_path / "twice"
+    _model_dir(twice)
+    names = {f"t{i}": "model.safetensors" for i in range(5000)}
+    index = json.dumps({"weight_map": names})[:-2] + ', "t7": "model.safetensors"}}'
+    (twice / "model.safetensors.index.json").write_text(index)
+    with fresh_cluster.connect() as rt:
+        held = rt.put({"w": torch.arange(64.0)}, "held").tensor_dict()["w"]
+        with pytest.raises(tc.InvalidArgument, match="nests too deeply"):
+            rt.put_files("deep", deep, by_reference=True)
+        with pytest.raises(tc.InvalidArgument, match="names tensors twice: \\['t7'\\]"):
+            rt.put_files("twice", twice, by_reference=True)
+        assert torch.equal(held, torch.arange(64.0))
+        assert torch.equal(rt.artifact("held").tensor_dict()["w"], torch.arange(64.0))
+        assert [a.art_id for a in rt.list_artifacts()] == ["held"]
+
+
 def test_view_reads_only_its_slice_from_the_files(fresh_cluster, tmp_path):
     expected = _model_dir(tmp_path / "model", rows=2048)
     with fresh_cluster.connect() as rt:

@@ -26,7 +26,9 @@ class LocalConnection:
         self.sock = unix.connect(socket_name, timeout_s)
         self._lock = threading.Lock()
         self.round_trips = 0  # requests sent (a put costs one: tests count them)
-        self.broken = False  # the socket failed: the worker is gone or restarting
+        # A round trip failed (the worker is gone, or did not answer in time): no request goes
+        # on this connection again. It stays open while mappings of its holds live.
+        self.broken = False
         try:
             reply, fds = self._roundtrip({"op": "hello", "token": token})
         except BaseException:
@@ -55,6 +57,10 @@ class LocalConnection:
         with self._lock:
             if getattr(self, "_closed", False):
                 raise errors.Unavailable("local worker connection is closed")
+            if self.broken:
+                # A request that failed half-way (a timeout, most often) leaves its reply, or
+                # part of it, in the socket: the next read would take it for its own.
+                raise errors.Unavailable("local worker connection failed earlier")
             self.round_trips += 1
             try:
                 unix.send_message(self.sock, message, blob=blob)

@@ -161,6 +161,10 @@ class Runtime:
     def local_connection_to(self, worker_id: str, local_socket: str) -> LocalConnection:
         with self._lock:
             conn = self._local.get(worker_id)
+            if conn is not None and conn.broken:
+                del self._local[worker_id]
+                conn.close()  # once its mappings are gone
+                conn = None
         if conn is None:
             conn = LocalConnection(local_socket, self.token, self.timeout_s)
             with self._lock:

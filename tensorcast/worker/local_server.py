@@ -17,6 +17,7 @@ from tensorcast.config import token_accepted
 from tensorcast.errors import (
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     TensorcastError,
     Unauthenticated,
     public_name,
@@ -92,7 +93,16 @@ class LocalServer:
                     reply = _error(e)
                 except (KeyError, TypeError, ValueError) as e:
                     reply = _error(InvalidArgument(f"malformed local request: {e!r}"))
-                send_message(conn, reply)
+                except Exception as e:
+                    # This request fails; the session goes on. Ending it would release its
+                    # holds while the caller's tensors still map them (the regions could
+                    # then be reused under them).
+                    log.exception("local request %r failed", message.get("op"))
+                    reply = _error(TensorcastError(f"{type(e).__name__}: {e}"))
+                try:
+                    send_message(conn, reply)
+                except ValueError as e:  # over the message limit: nothing was sent
+                    send_message(conn, _error(ResourceExhausted(f"reply too large: {e}")))
         except (ConnectionError, OSError, ValueError):
             pass
         finally:
