@@ -44,7 +44,10 @@ class SafetensorsHeader:
 def duplicate_keys(pairs: list[tuple[str, object]]) -> list[str]:
     """Keys named more than once, sorted (linear: an index may name 100,000 tensors)."""
     seen: set[str] = set()
-    return sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+    dupes: set[str] = set()
+    for key, _ in pairs:
+        (dupes if key in seen else seen).add(key)
+    return sorted(dupes)
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
