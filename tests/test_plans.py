@@ -367,3 +367,66 @@ def test_a_killed_gateway_still_listed_alive_is_skipped_for_the_next(tmp_path, m
                     doomed.run(rt)
                 step = info.value.result["steps"][0]
                 assert step["status"] == "failed" and step["error"]["kind"] == "Unavailable"
+
+
+def test_a_step_input_that_does_not_resolve_fails_the_plan_and_records_it(cluster):
+    """A later step naming a field its input's result lacks fails that step; the plan is
+    recorded failed (not left "running", which would hold a rerun under the key until the
+    deadline), so the corrected plan runs at once (another plan: nothing is reused)."""
+    with cluster.connect() as rt:
+        rt.put({"w": torch.ones(8)}, "plans/resolve")
+        key = "resolve-key"
+
+        def plan(field: str) -> tc.Plan:
+            p = tc.Plan(tc.CallContext(deadline_ms=30_000, idempotency_key=key))
+            first = p.on_worker("worker-2").prefetch("plans/resolve")
+            p.on_worker("worker-2").pin(getattr(first, field))
+            return p
+
+        with pytest.raises(tc.InvalidArgument, match="no result field 'pagez'") as info:
+            plan("pagez").run(rt)
+        assert [s["status"] for s in info.value.result["steps"]] == ["ok", "failed"]
+        assert rt.plan(key).status == "failed"
+        result = plan("artifact").run(rt)
+        assert [s["status"] for s in result["steps"]] == ["ok", "ok"]
+        assert rt.plan(key).status == "ok"
+
+
+def test_a_rerun_reuses_only_steps_asked_the_same(cluster):
+    """Steps of a failed run are reused by a rerun under the same key only when the step is the
+    same: same op and target, and the same arguments."""
+    with cluster.connect() as rt:
+        for name in ("plans/a", "plans/b"):
+            rt.put({"w": torch.full((8,), float(len(name)))}, name)
+        key = "args-key"
+        first = tc.Plan(tc.CallContext(deadline_ms=30_000, idempotency_key=key))
+        first.on_worker("worker-2").prefetch("plans/a")
+        first.on_worker("worker-2").prefetch("plans/missing")
+        with pytest.raises(tc.NotFound):
+            first.run(rt)
+        second = tc.Plan(tc.CallContext(deadline_ms=30_000, idempotency_key=key))
+        second.on_worker("worker-2").prefetch("plans/b")
+        second.on_worker("worker-2").prefetch("plans/a")
+        result = second.run(rt)
+        assert [s["status"] for s in result["steps"]] == ["ok", "ok"]
+        assert result["steps"][0]["result"]["artifact"] == "plans/b"
+
+
+def test_a_finished_key_replays_even_when_its_target_is_gone(cluster):
+    """A caller whose reply was lost sends the plan again under its key; the worker the plan
+    ran on has stopped since: the recorded result comes back, not an error about the target."""
+    with cluster.connect() as rt:
+        rt.put({"w": torch.ones(8)}, "plans/replay")
+        key = "replay-key"
+
+        def plan() -> tc.Plan:
+            p = tc.Plan(tc.CallContext(deadline_ms=30_000, idempotency_key=key))
+            p.on_worker("plans-extra").prefetch("plans/replay")
+            return p
+
+        with cluster.extra_worker("plans-extra"):
+            first = plan().run(rt)
+        wait_until(lambda: not any(w.name == "plans-extra" and w.alive for w in rt.workers()), 60)
+        again = plan().run(rt)
+        assert again["replayed"] is True and again["status"] == "ok"
+        assert again["steps"] == first["steps"]

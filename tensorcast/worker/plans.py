@@ -8,6 +8,7 @@ them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -145,7 +146,14 @@ class PlanExecutor:
         if not trace_id:
             raise errors.InvalidArgument("a plan needs a trace_id")
         key = str(plan.get("idempotency_key") or f"trace:{trace_id}")
-        routes = self._routes(plan["steps"])
+        try:
+            routes = self._routes(plan["steps"])
+        except errors.TensorcastError:
+            # A key that already finished replays its result even if a target is gone now.
+            done = self._recorded(key)
+            if done is not None and done.status != "failed":
+                return self._await_recorded(done, deadline)
+            raise
         record = PlanRecord(
             key, trace_id, "running", {}, 0.0, deadline_at=time.time() + (deadline - started)
         )
@@ -164,7 +172,20 @@ class PlanExecutor:
             plan["deadline_ms"],
             len(reused),
         )
-        result = self._execute(plan, routes, deadline, trace_id, reused)
+        try:
+            result = self._execute(plan, routes, deadline, trace_id, reused)
+        except BaseException as e:
+            # Never leave the key "running" (a retry would wait out the deadline, then run
+            # every step again): record the failure, then report it.
+            if isinstance(e, errors.TensorcastError):
+                error = {"kind": errors.public_name(e), "message": str(e)}
+            else:
+                error = {"kind": "TensorcastError", "message": f"{type(e).__name__}: {e}"}
+            failed = {"status": "failed", "error": error, "steps": []}
+            self.node.store.call(
+                "FinishPlan", plan_to_pb(PlanRecord(key, trace_id, "failed", failed, 0.0))
+            )
+            raise
         result.update(
             trace_id=trace_id,
             idempotency_key=key,
@@ -206,6 +227,12 @@ class PlanExecutor:
             routes[step["id"]] = (worker.worker_id, worker.addr, worker.name)
         return routes
 
+    def _recorded(self, key: str) -> PlanRecord | None:
+        try:
+            return plan_from_pb(self.node.store.call("GetPlan", pb.PlanRecord(idempotency_key=key)))
+        except errors.NotFound:
+            return None
+
     def _await_recorded(self, record: PlanRecord, deadline: float) -> dict:
         """The key ran (or runs) elsewhere: return its recorded result, never run it twice."""
         while record.status == "running":
@@ -244,7 +271,19 @@ class PlanExecutor:
                         if i not in traces and i not in running.values() and deps[i] <= set(results)
                     ]
                     for i in ready[: plan.get("concurrency", 1) - len(running)]:
-                        args = planlib.resolve(steps[i].get("args", {}), results)
+                        try:
+                            args = planlib.resolve(steps[i].get("args", {}), results)
+                        except errors.TensorcastError as e:  # a field the input's op lacks
+                            error = {"kind": errors.public_name(e), "message": str(e)}
+                            traces[i] = {
+                                "id": i,
+                                "op": steps[i]["op"],
+                                "target": steps[i]["target"],
+                                "status": "failed",
+                                "error": error,
+                            }
+                            failure = {"step": i, **error}
+                            break
                         step = dict(steps[i], args=args)
                         fut = pool.submit(self._run_step, step, routes[i], deadline, trace_id)
                         running[fut] = i
@@ -258,6 +297,7 @@ class PlanExecutor:
                 for fut in done:
                     i = running.pop(fut)
                     trace = fut.result()
+                    trace["args_digest"] = _args_digest(steps[i])
                     traces[i] = trace
                     if trace["status"] == "ok":
                         results[i] = trace["result"]
@@ -297,7 +337,10 @@ class PlanExecutor:
                 result = self._dispatch(step, worker_id, addr, name, remaining, trace_id)
                 trace.update(status="ok", result=result, bytes=int(result.get("bytes", 0)))
                 break
-            except errors.TensorcastError as e:
+            except Exception as e:
+                if not isinstance(e, errors.TensorcastError):  # a bug: the step fails
+                    log.exception("trace=%s step %s (%s) failed", trace_id, step["id"], step["op"])
+                    e = errors.TensorcastError(f"{type(e).__name__}: {e}")
                 pause = min(MAX_BACKOFF_S, BACKOFF_S * 2**retries)
                 retryable = e.retryable and not isinstance(e, errors.DeadlineExceeded)
                 resume = time.monotonic() + pause
@@ -329,13 +372,23 @@ class PlanExecutor:
         return json.loads(reply.result_json)
 
 
+def _args_digest(step: dict) -> str:
+    """What a step was asked (its arguments as the plan gave them, references unresolved)."""
+    text = json.dumps(step.get("args", {}), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def _finished_steps(previous: PlanRecord | None, steps: list[dict]) -> dict[int, dict]:
-    """Steps a failed earlier run under the same key finished, if the plan is the same."""
+    """Steps a failed earlier run under the same key finished, if the plan is the same: the
+    same ops on the same targets with the same arguments."""
     if previous is None or previous.status != "failed":
         return {}
     old = previous.result.get("steps", [])
     same = len(old) == len(steps) and all(
-        o.get("op") == s["op"] and o.get("target") == s["target"] for o, s in zip(old, steps)
+        o.get("op") == s["op"]
+        and o.get("target") == s["target"]
+        and o.get("args_digest") == _args_digest(s)
+        for o, s in zip(old, steps)
     )
     if not same:
         return {}
