@@ -409,3 +409,37 @@ def test_the_store_answers_a_beat_with_the_removals_it_kept(rt):
         assert [(r.content_id, r.tier) for r in reply.kept] == [("kept-c2", "cpu")]
     finally:
         rt.store.call("DeregisterWorker", pb.DeregisterWorkerRequest(worker_id=worker_id))
+
+
+def test_ids_that_would_split_store_keys_are_refused(rt):
+    """Worker and content ids become parts of the store's keys: one holding a separator is
+    refused with InvalidArgument, and nothing is registered."""
+    from tensorcast.proto import tensorcast_pb2 as pb
+
+    with pytest.raises(tc.InvalidArgument, match="bad worker id"):
+        rt.store.call(
+            "RegisterWorker",
+            pb.RegisterWorkerRequest(worker=pb.Worker(worker_id="w/x", name="wx", addr="h:1")),
+        )
+    assert not any(w.worker_id == "w/x" for w in rt.workers())
+    worker = rt.workers()[0].worker_id
+    tensor = pb.TensorMeta(name="w", dtype="U8", shape=[4], size_bytes=4)
+    for bad in ("c1-x/z", "", "c" * 200):
+        with pytest.raises(tc.InvalidArgument, match="bad content id"):
+            rt.store.call(
+                "AddReplica",
+                pb.AddReplicaRequest(
+                    worker_id=worker, content_id=bad, size_bytes=4, tensors=[tensor]
+                ),
+            )
+    with pytest.raises(tc.InvalidArgument, match="bad content id"):
+        rt.store.call(
+            "PutArtifacts",
+            pb.PutArtifactsRequest(
+                worker_id=worker,
+                replicas=[pb.NewReplica(content_id="c1-a/b", size_bytes=4, tensors=[tensor])],
+                artifacts=[pb.NewArtifact(art_id="ids/bad", content_id="c1-a/b")],
+            ),
+        )
+    with pytest.raises(tc.NotFound):
+        rt.artifact("ids/bad")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -72,6 +73,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
 
     def RegisterWorker(self, request, context):
         w = request.worker
+        check_id("worker id", w.worker_id)
         self.store.register_worker(
             WorkerRegistration(
                 worker_id=w.worker_id,
@@ -134,6 +136,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         return pb.ListWorkersReply(workers=[worker_to_pb(w) for w in workers])
 
     def AddReplica(self, request, context):
+        check_id("content id", request.content_id)
         self.store.add_replica(
             request.worker_id,
             request.content_id,
@@ -284,7 +287,21 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         return pb.ListPlansReply(plans=[plan_to_pb(p) for p in plans])
 
 
+ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def check_id(what: str, value: str) -> None:
+    """Worker and content ids become parts of store keys (etcd: `w/<id>`, `r/<content>/<worker>`):
+    an id with a separator in it would be parsed as other keys. Generated ids always fit."""
+    if not ID_PATTERN.fullmatch(value):
+        raise InvalidArgument(f"bad {what} {value[:80]!r}: 1-128 of A-Z a-z 0-9 . _ -")
+
+
 def _put_op(request: pb.PutArtifactsRequest) -> PutOp:
+    for r in request.replicas:
+        check_id("content id", r.content_id)
+    for a in request.artifacts:
+        check_id("content id", a.content_id)
     return PutOp(
         request.worker_id,
         tuple(
