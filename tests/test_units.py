@@ -141,6 +141,32 @@ def test_pool_eviction_candidates_are_lru_unpinned_unheld_registered():
     pool.close()
 
 
+def test_a_failed_commit_does_not_drop_content_another_commit_registered():
+    """Batch A writes content C; batch B deduplicates onto it and names it; then A fails. A
+    frees what it wrote only if nobody registered it: here B did, so C stays."""
+    from tensorcast.worker.pool import Pool
+
+    pool = Pool(16 * PAGE_BYTES, name="tc-unit-pool-dedup")
+    meta = TensorMeta("w", "U8", (4,), 4)
+    first = pool.reserve(PAGE_BYTES)
+    pool.region(first.offset, 4)[:] = b"same"
+    cid = pool.commit(first.reservation_id, [meta]).content.content_id  # batch A
+    second = pool.reserve(PAGE_BYTES)
+    pool.region(second.offset, 4)[:] = b"same"
+    assert pool.commit(second.reservation_id, [meta]).deduplicated  # batch B, onto A's
+    pool.end_registration(cid, registered=True)  # B's batch is recorded
+    pool.end_registration(cid, registered=False)  # A's failed
+    assert not pool.drop(cid, unless_registered=True)
+    assert bytes(pool.region(pool.get(cid).offset, 4)) == b"same"
+    # Nobody registered it: A's failure frees it.
+    other = pool.reserve(PAGE_BYTES)
+    pool.region(other.offset, 4)[:] = b"solo"
+    solo = pool.commit(other.reservation_id, [meta]).content.content_id
+    pool.end_registration(solo, registered=False)
+    assert pool.drop(solo, unless_registered=True)
+    pool.close()
+
+
 def test_order_sources_same_host_then_least_loaded():
     from tensorcast.placement import order_sources
     from tensorcast.types import ReplicaInfo, WorkerInfo

@@ -410,8 +410,9 @@ class WorkerNode:
         finally:
             self.pool.end_registration(content.content_id, registered)
             if not registered and not result.deduplicated:
-                # Held elsewhere, or the store refused it: ours alone, nothing refers to it.
-                self.pool.drop(content.content_id)
+                # Held elsewhere, or the store refused it: ours alone, nothing refers to it
+                # (unless another commit registered it meanwhile).
+                self.pool.drop(content.content_id, unless_registered=True)
         return Committed(
             content.content_id, content.size_bytes, content.tensors, result.deduplicated
         )
@@ -522,7 +523,7 @@ class WorkerNode:
             self.pool.end_registration(content_id, content_id not in unregistered)
         for content_id, fresh in committed:
             if fresh and content_id in unregistered:
-                self.pool.drop(content_id)
+                self.pool.drop(content_id, unless_registered=True)
 
     def _report_soon(self) -> None:
         """Attach/detach: tell the store now rather than at the next heartbeat."""

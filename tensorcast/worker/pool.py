@@ -229,15 +229,23 @@ class Pool:
                 content.registered = True
                 content.committed_at = time.time()
 
-    def drop(self, content_id: str, unless_committed_after: float = float("inf")) -> bool:
+    def drop(
+        self,
+        content_id: str,
+        unless_committed_after: float = float("inf"),
+        unless_registered: bool = False,
+    ) -> bool:
         """Drop a content (freed once no caller holds it). Skips one (re)committed recently or
-        being registered right now."""
+        being registered right now, and with `unless_registered` one any commit registered
+        (a failed batch frees what it wrote, unless another commit made it content of its own
+        meanwhile: deduplicated onto it and named it)."""
         with self._lock:
             content = self._contents.get(content_id)
             if (
                 content is None
                 or content.registering
                 or content.committed_at > unless_committed_after
+                or (unless_registered and content.registered)
             ):
                 return False
             del self._contents[content_id]

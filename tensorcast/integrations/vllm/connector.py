@@ -25,7 +25,9 @@ set to "recompute" unless `load_failure` says "fail"). Saves never block the for
 the step, a background thread puts the newly full blocks straight from the KV cache (a block
 is immutable once full); a finished request's blocks stay allocated until its saves are done
 (`request_finished` returns True, `get_finished` reports it), and a step that preempts requests
-first waits for every save in flight, since preemption frees blocks for reuse.
+cancels their saves not yet started and waits for theirs in flight, since preemption frees
+their blocks for reuse. A step whose loads failed for a request saves nothing of it (its
+forward read the damaged block); the recompute saves those blocks.
 """
 
 from __future__ import annotations
