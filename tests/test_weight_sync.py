@@ -87,6 +87,38 @@ def test_concurrent_publish_and_sync_never_mix_versions(rt):
     assert sub.sync().version == "r5"
 
 
+def test_a_version_collected_mid_sync_leaves_the_target_as_it_was(rt):
+    """A publisher with `keep_last=1` collects the version a subscriber is reading: the sync
+    fails (NotFound) and the target holds the version it held, never part of each."""
+    publisher = tc.WeightPublisher(rt, "collected-model", keep_last=1)
+    publisher.publish(_state(n=8, fill=0), "c0")
+    target = {k: torch.empty_like(v) for k, v in _state(n=8, fill=0).items()}
+    sub = tc.WeightSubscriber(rt, "collected-model", target)
+    sub.sync()
+    publisher.publish(_state(n=8, fill=1), "c1")
+    # The subscriber reads c1 tensor by tensor; after the fourth, c2 is published and c1
+    # collected, as a concurrent publisher would.
+    calls = []
+    real_artifact = rt.artifact
+
+    def artifact_then_collect(art_id, *args, **kwargs):
+        calls.append(art_id)
+        if len(calls) == 4:
+            publisher.publish(_state(n=8, fill=2), "c2")
+        return real_artifact(art_id, *args, **kwargs)
+
+    rt.artifact = artifact_then_collect
+    try:
+        with pytest.raises(tc.NotFound):
+            sub.sync("c1")
+    finally:
+        del rt.artifact
+    assert {float(t.flatten()[0]) for t in target.values()} == {0.0}
+    assert sub.version == "c0"
+    assert sub.sync().version == "c2"
+    assert {float(t.flatten()[0]) for t in target.values()} == {2.0}
+
+
 def test_cli_weights_publish_ls_sync(cluster, tmp_path):
     save_file(_state(n=4), tmp_path / "w.safetensors")
     out = json.loads(

@@ -36,6 +36,7 @@ def runtime(
     state_dir: str | None = None,
     *,
     role: str = "",
+    timeout_s: float | None = None,
 ) -> Runtime:
     """One `tc.connect()` per process, cluster and `role` (callers that may run at the same
     time on different threads take different roles: each gets its own page connections).
@@ -44,12 +45,12 @@ def runtime(
     """
     from tensorcast.sdk.runtime import connect
 
-    key = (addr, token, state_dir, role)
+    key = (addr, token, state_dir, role, timeout_s)
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
             try:
-                rt = connect(addr, token, state_dir=state_dir)
+                rt = connect(addr, token, state_dir=state_dir, timeout_s=timeout_s)
             except TensorcastError as e:
                 raise type(e)(f"TensorCast cluster unreachable for vLLM: {e}") from None
             _runtimes[key] = rt

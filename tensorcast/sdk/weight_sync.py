@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tensorcast.errors import InvalidArgument, NotFound
+from tensorcast.errors import IntegrityError, InvalidArgument, NotFound
 from tensorcast.model_dir import FILE_PREFIX
 
 if TYPE_CHECKING:
@@ -182,15 +182,29 @@ class WeightSubscriber:
         missing = sorted(set(self.target) - set(info.tensors))
         if missing:
             raise InvalidArgument(f"version {info.version} lacks {missing[:5]}")
-        moved = moved_bytes = 0
+        changed = {
+            name: entry
+            for name, entry in info.tensors.items()
+            if name in self.target and self._hashes.get(name) != entry["hash"]
+        }
+        # Every changed tensor is mapped (and held) before `target` changes: a version
+        # collected meanwhile (another publisher's `keep_last`) fails the sync with `target`
+        # as it was, never half old and half new.
+        sources = {}
+        for name, entry in changed.items():
+            art = self.rt.artifact(entry["art_id"])
+            meta = art.tensor_meta().get(name)
+            if meta is None or meta.hash_hex != entry["hash"]:
+                raise IntegrityError(
+                    f"version {info.version}: artifact {entry['art_id']} does not hold the "
+                    f"tensor {name!r} its manifest names"
+                )
+            sources[name] = art.tensor_dict()[name]
         with torch.no_grad():
-            for name, entry in info.tensors.items():
-                if name not in self.target or self._hashes.get(name) == entry["hash"]:
-                    continue
-                source = self.rt.artifact(entry["art_id"]).tensor_dict()[name]
+            for name, source in sources.items():
                 self.target[name].copy_(source)
-                self._hashes[name] = entry["hash"]
-                moved += 1
-                moved_bytes += entry["size_bytes"]
+                self._hashes[name] = changed[name]["hash"]
+        moved = len(sources)
+        moved_bytes = sum(changed[name]["size_bytes"] for name in sources)
         self.version = info.version
         return SyncResult(info.version, moved, moved_bytes, len(info.tensors) - moved)

@@ -76,6 +76,7 @@ EXTRA_KEYS = {
     "load_failure",
     "describe_to",
 }
+LOOKUP_TIMEOUT_S = 2.0  # a home slower than this is a miss, not a stalled scheduler
 MAX_REWRITES = 65_536  # failed block prefixes remembered until their recompute saves them
 STAT_NAMES = (
     "lookups",  # get_num_new_matched_tokens calls that asked the homes
@@ -246,8 +247,10 @@ class TensorCastConnector(KVConnectorBase_V1):
 
     def _pages(self, role: str):
         """A page client of this process: one connection per role, since the save thread, the
-        loads and the scheduler's lookups may run at the same time."""
-        rt = connection.runtime(**self.connection, role=role)
+        loads and the scheduler's lookups may run at the same time. Lookups run inside the
+        scheduler's loop: they give up sooner (a miss) than loads and saves."""
+        timeout_s = LOOKUP_TIMEOUT_S if role == "lookup" else None
+        rt = connection.runtime(**self.connection, role=role, timeout_s=timeout_s)
         return rt.pages()
 
     def _prefix(self, chain: str) -> str:
