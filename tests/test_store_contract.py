@@ -158,6 +158,28 @@ def test_replicas_are_listed_while_their_worker_lives(records):
         store.add_replica("w1", "c2", 4, (TensorMeta("a\x00", "U8", (4,), 4, 0),), 100.0)
 
 
+def test_an_evicted_copy_is_removed_only_while_another_live_worker_holds_one(records):
+    """Two workers evicting the same content at once each ask the store to remove their copy
+    `unless_last`: the store lets one go and keeps the other (the decision is one transaction
+    each, against the replicas as they are then), so the content is never left with none."""
+    store, _ = records
+    for w in ("w1", "w2", "w3"):
+        _worker(store, w, 100.0)
+    _content(store, "w1", "c1", 100.0)
+    _content(store, "w2", "c1", 100.0)
+    assert store.remove_replica("w1", "c1", "cpu", unless_last=True, now=101.0)
+    assert not store.remove_replica("w2", "c1", "cpu", unless_last=True, now=101.0)
+    assert [r.worker_id for r in store.find_content("c1", 101.0).replicas] == ["w2"]
+    # A copy on a dead worker does not count: w3's is the last live one.
+    _content(store, "w3", "c1", 100.0)
+    _beat(store, "w3", 102.5, ["c1"])
+    assert not store.remove_replica("w3", "c1", "cpu", unless_last=True, now=103.5)
+    assert [r.worker_id for r in store.find_content("c1", 103.5).replicas] == ["w3"]
+    # Unconditional removal (a worker that dropped its copy anyway) still goes.
+    assert store.remove_replica("w3", "c1")
+    assert store.find_content("c1", 103.5).replicas == ()
+
+
 def test_heartbeats_reconcile_the_inventory(records):
     store, _ = records
     _worker(store, "w1", 100.0)

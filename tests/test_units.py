@@ -368,3 +368,36 @@ def test_buffer_pool_reuses_by_size_and_keeps_at_most_its_bound():
     assert pool.idle_bytes == 0
     pool.give([*again, bytearray(512)])  # 4.5 KiB offered: what passes the bound is dropped
     assert pool.idle_bytes == 3072
+
+
+def test_a_lease_table_older_than_a_hand_off_never_brings_the_lease_back():
+    """A hand-off's reply and a refresh's may land in any order, and a refresh sent later may
+    still describe the store before the hand-off: a shard's entry is taken only when newer
+    (fencing token first, then when its request was sent)."""
+    from tensorcast.errors import FencingError
+    from tensorcast.types import ShardLease, ShardTable
+    from tensorcast.worker.leases import LeaseCache
+
+    def table(token: int, holder: str) -> ShardTable:
+        return ShardTable(1, 10.0, (ShardLease(0, holder, token, 10.0),))
+
+    for order in ("hand-off first", "refresh first"):
+        cache = LeaseCache("me")
+        assert cache.update(table(5, "me"), sent_at=1.0) == set()
+        cache.check(0, 5)
+        replies = [(table(6, "other"), 2.0), (table(5, "me"), 3.0)]  # hand-off, stale refresh
+        if order == "refresh first":
+            replies.reverse()
+        lost = set()
+        for reply, sent_at in replies:
+            lost |= cache.update(reply, sent_at)
+        assert lost == {0}, order
+        with pytest.raises(FencingError):
+            cache.check(0, 5)
+        assert cache.held() == {}
+    # A renewal under the same token extends the lease; the newer one wins.
+    cache = LeaseCache("me")
+    cache.update(table(7, "me"), sent_at=1.0)
+    cache.update(table(7, "me"), sent_at=2.0)
+    cache.update(table(7, "other"), sent_at=1.5)  # older, same token: ignored
+    assert cache.held() == {0: 7}

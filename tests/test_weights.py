@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,30 @@ def test_bad_index_is_rejected_and_nothing_stored(rt, tmp_path, damage):
     with pytest.raises(tc.InvalidArgument, match=r"index|model\.safetensors"):
         rt.put_files(f"bad-{damage}", directory)
     assert [a.art_id for a in rt.list_artifacts()] == before
+
+
+def test_files_rewritten_while_they_are_put_store_nothing(rt, tmp_path):
+    """A shard replaced (e.g. `save_pretrained` into the same directory) after the directory was
+    scanned and while it is read: its bytes no longer match the scanned layout, so the put
+    fails with IntegrityError and stores nothing."""
+    from safetensors.torch import save_file
+
+    state = _llama_state()
+    directory = _model_dir(tmp_path / "moving", state)
+    second = directory / "model-00002-of-00002.safetensors"
+    keys = sorted(state)[len(state) // 2 :]
+    replaced = []
+
+    def progress(done: int) -> None:
+        if not replaced:  # after the first extent: another writer replaces the second shard
+            staged = tmp_path / "staged.safetensors"
+            save_file(
+                {k: state[k] + 1 for k in keys}, staged, metadata={"format": "pt", "pad": "x" * 99}
+            )
+            os.replace(staged, second)
+            replaced.append(True)
+
+    before = [a.art_id for a in rt.list_artifacts()]
+    with pytest.raises(tc.IntegrityError, match="changed while it was being put"):
+        rt.put_files("moving@v1", directory, progress=progress)
+    assert replaced and [a.art_id for a in rt.list_artifacts()] == before

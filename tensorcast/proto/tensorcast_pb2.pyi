@@ -331,14 +331,22 @@ class ListReferencesReply(_message.Message):
     def __init__(self, references: _Optional[_Iterable[_Union[FileReferenceRecord, _Mapping]]] = ...) -> None: ...
 
 class RemoveReplicaRequest(_message.Message):
-    __slots__ = ("worker_id", "content_id", "tier")
+    __slots__ = ("worker_id", "content_id", "tier", "unless_last")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    UNLESS_LAST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     content_id: str
     tier: str
-    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+    unless_last: bool
+    def __init__(self, worker_id: _Optional[str] = ..., content_id: _Optional[str] = ..., tier: _Optional[str] = ..., unless_last: _Optional[bool] = ...) -> None: ...
+
+class RemoveReplicaReply(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class FindContentRequest(_message.Message):
     __slots__ = ("content_id",)

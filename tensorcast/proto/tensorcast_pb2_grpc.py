@@ -67,7 +67,7 @@ class GlobalStoreStub:
         self.RemoveReplica = channel.unary_unary(
                 '/tensorcast.v1.GlobalStore/RemoveReplica',
                 request_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaRequest.SerializeToString,
-                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+                response_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaReply.FromString,
                 _registered_method=True)
         self.FindContent = channel.unary_unary(
                 '/tensorcast.v1.GlobalStore/FindContent',
@@ -362,7 +362,7 @@ def add_GlobalStoreServicer_to_server(servicer, server):
             'RemoveReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveReplica,
                     request_deserializer=tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaRequest.FromString,
-                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.Empty.SerializeToString,
+                    response_serializer=tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaReply.SerializeToString,
             ),
             'FindContent': grpc.unary_unary_rpc_method_handler(
                     servicer.FindContent,
@@ -648,7 +648,7 @@ class GlobalStore:
             target,
             '/tensorcast.v1.GlobalStore/RemoveReplica',
             tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaRequest.SerializeToString,
-            tensorcast_dot_proto_dot_tensorcast__pb2.Empty.FromString,
+            tensorcast_dot_proto_dot_tensorcast__pb2.RemoveReplicaReply.FromString,
             options,
             channel_credentials,
             insecure,

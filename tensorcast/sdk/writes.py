@@ -7,10 +7,13 @@ claims that the worker verifies. Any failure aborts the write: nothing is half-w
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import STREAM_CHUNK_BYTES
+from tensorcast.errors import IntegrityError, NotFound
 from tensorcast.model_dir import ModelFiles, layout
 from tensorcast.transport import native
 from tensorcast.types import Committed, TensorMeta
@@ -35,10 +38,14 @@ def buffer_filler(metas: list[TensorMeta], sources: Sequence[Any]) -> Filler:
 
 
 def plan_files(files: ModelFiles) -> tuple[list[TensorMeta], int, Filler]:
-    """Lay the files out as one content (`model_dir.layout`) and read them into a region."""
+    """Lay the files out as one content (`model_dir.layout`) and read them into a region.
+    Files replaced or rewritten since they were scanned (size, mtime or inode changed), before
+    or while they are read, fail the fill: their bytes no longer match the scanned layout."""
     plan = layout(files)
+    scanned = _facts(files.fingerprint_paths())
 
     def fill(dest: Any, base: int, progress: Progress | None) -> None:
+        _check_unchanged(scanned)
         for e in plan.extents:
             for start in range(0, e.length, FILE_READ_STEP_BYTES):
                 step = min(FILE_READ_STEP_BYTES, e.length - start)
@@ -47,8 +54,30 @@ def plan_files(files: ModelFiles) -> tuple[list[TensorMeta], int, Filler]:
                 )
                 if progress:
                     progress(step)
+        _check_unchanged(scanned)
 
     return list(plan.tensors), plan.size_bytes, fill
+
+
+def _facts(paths: Sequence[Path]) -> list[tuple[str, int, int, int]]:
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise NotFound(f"{path} is gone (removed since it was scanned)") from None
+        out.append((str(path), st.st_size, st.st_mtime_ns, st.st_ino))
+    return out
+
+
+def _check_unchanged(scanned: list[tuple[str, int, int, int]]) -> None:
+    now = _facts([Path(f[0]) for f in scanned])
+    for before, after in zip(scanned, now):
+        if before != after:
+            raise IntegrityError(
+                f"{before[0]} changed while it was being put (size, mtime or inode differ): "
+                "nothing was stored; put it again once it is written"
+            )
 
 
 def write_remote(runtime, worker, metas, size_bytes, fill, progress) -> Committed:

@@ -316,7 +316,19 @@ class MetadataStore(Protocol):
         the first replica with hashes fills them in, and from then on they are the truth."""
 
     def list_references(self, host_id: str) -> list[tuple[str, str]]: ...
-    def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None: ...
+    def remove_replica(
+        self,
+        worker_id: str,
+        content_id: str,
+        tier: str = "",
+        unless_last: bool = False,
+        now: float = 0.0,
+    ) -> bool:
+        """Remove a worker's replica rows; with `unless_last` only while another worker live
+        at `now` holds the content too (one transaction). True when rows were removed or
+        there were none to remove; False when `unless_last` kept the last copy."""
+        ...
+
     def find_content(self, content_id: str, now: float) -> ContentInfo | None: ...
     def create_artifact(
         self, art_id: str, content_id: str, owner: str, ttl_s: float, parent: str, now: float

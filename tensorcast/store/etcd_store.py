@@ -419,13 +419,41 @@ class EtcdStore:
         ]
         return [(c, f["spec"]) for c, f in sorted(refs, key=lambda r: r[1]["created_at"])]
 
-    def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None:
-        ops = []
-        for key in self.kv.range(f"rw/{worker_id}/{content_id}/", keys_only=True):
-            row_tier = key.rsplit("/", 1)[1]
-            if tier in ("", row_tier):
-                ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, row_tier)]
-        self.kv.apply(ops)
+    def remove_replica(
+        self,
+        worker_id: str,
+        content_id: str,
+        tier: str = "",
+        unless_last: bool = False,
+        now: float = 0.0,
+    ) -> bool:
+        def remove() -> bool:
+            ops = []
+            for key in self.kv.range(f"rw/{worker_id}/{content_id}/", keys_only=True):
+                row_tier = key.rsplit("/", 1)[1]
+                if tier in ("", row_tier):
+                    ops += [
+                        self.kv.delete(k) for k in _replica_keys(content_id, worker_id, row_tier)
+                    ]
+            if not unless_last:
+                self.kv.apply(ops)
+                return True
+            # Another live holder, and its replica row and worker record unchanged when ours
+            # goes: a concurrent removal of the other copy conflicts, and is decided again.
+            live = self._live_workers(now)
+            for key, row in self.kv.range(f"r/{content_id}/").items():
+                other = key.split("/")[2]
+                if other != worker_id and other in live:
+                    worker = self.kv.get(f"w/{other}")
+                    compares = [
+                        self.kv.unchanged(key, row),
+                        self.kv.unchanged(f"w/{other}", worker),
+                    ]
+                    self.kv.txn(compares, ops)
+                    return True
+            return False
+
+        return self.kv.optimistic(remove)
 
     def find_content(self, content_id: str, now: float) -> ContentInfo | None:
         content = self.kv.get(f"c/{content_id}")

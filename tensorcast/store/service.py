@@ -157,8 +157,10 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         )
 
     def RemoveReplica(self, request, context):
-        self.store.remove_replica(request.worker_id, request.content_id, request.tier)
-        return pb.Empty()
+        removed = self.store.remove_replica(
+            request.worker_id, request.content_id, request.tier, request.unless_last, time.time()
+        )
+        return pb.RemoveReplicaReply(removed=removed)
 
     def FindContent(self, request, context):
         info = self.store.find_content(request.content_id, time.time())

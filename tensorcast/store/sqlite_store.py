@@ -495,15 +495,27 @@ class SqliteStore:
             )
         ]
 
-    def remove_replica(self, worker_id: str, content_id: str, tier: str = "") -> None:
-        def remove() -> None:
+    def remove_replica(
+        self,
+        worker_id: str,
+        content_id: str,
+        tier: str = "",
+        unless_last: bool = False,
+        now: float = 0.0,
+    ) -> bool:
+        def remove() -> bool:
+            if unless_last:
+                others = self._live_replicas(self.db, [content_id], now)[content_id]
+                if not any(r.worker_id != worker_id for r in others):
+                    return False
             self.db.execute(
                 "DELETE FROM replicas WHERE worker_id = ? AND content_id = ? "
                 "AND (? = '' OR tier = ?)",
                 [worker_id, content_id, tier, tier],
             )
+            return True
 
-        self.write(remove)
+        return self.write(remove)
 
     def find_content(self, content_id: str, now: float) -> ContentInfo | None:
         with self._snapshot() as conn:

@@ -27,26 +27,35 @@ class LeaseCache:
         self.table: ShardTable | None = None
         self._held: Held = {}
         self._applied_sent_at = float("-inf")
+        self._seen: dict[int, tuple[int, float]] = {}  # shard -> newest (token, sent_at) taken
         self._lock = threading.Lock()
 
     def update(self, table: ShardTable, sent_at: float) -> set[int]:
         """Take a fresh table (from a reply to a request sent at monotonic `sent_at`).
 
-        Returns the shards this worker no longer holds (their pages must go). A table from a
-        request sent before the one applied last is ignored: heartbeats and on-demand refreshes
-        run concurrently, and an older table must not bring back a lease that moved.
+        Returns the shards this worker no longer holds (their pages must go). Heartbeats,
+        hand-offs and on-demand refreshes run concurrently and their replies may land in any
+        order, and a reply sent later may still describe the store before another's change:
+        each shard's entry is taken only if it is newer than the one taken before, by fencing
+        token first (tokens grow on every new holder), then by when its request was sent (a
+        renewal under the same token). A stale table never brings back a lease that moved.
         """
         with self._lock:
-            if sent_at < self._applied_sent_at:
-                return set()
-            self._applied_sent_at = sent_at
             before = set(self._held)
-            self.table = table
-            self._held = {
-                lease.shard: (lease.token, sent_at + lease.expires_in_s)
-                for lease in table.leases
-                if lease.held and lease.holder_worker_id == self.worker_id
-            }
+            held = dict(self._held)
+            for lease in table.leases:
+                seen = self._seen.get(lease.shard)
+                if seen is not None and (lease.token, sent_at) < seen:
+                    continue
+                self._seen[lease.shard] = (lease.token, sent_at)
+                if lease.held and lease.holder_worker_id == self.worker_id:
+                    held[lease.shard] = (lease.token, sent_at + lease.expires_in_s)
+                else:
+                    held.pop(lease.shard, None)
+            self._held = held
+            if sent_at >= self._applied_sent_at:
+                self._applied_sent_at = sent_at
+                self.table = table
             if self._publish is not None:  # under the lock: tables are published in order
                 self._publish(self._held)
             return before - set(self._held)

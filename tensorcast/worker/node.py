@@ -155,24 +155,30 @@ class WorkerNode:
             error = full
         for content_id in self.pool.eviction_candidates():
             found = self.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
-            # A content registered by reference can always be read from its files again.
-            last_copy = (
-                found.exists
-                and not any(r.worker_id != self.worker_id for r in found.replicas)
-                and self.references.get(content_id) is None
-            )
+            # Unknown to the store, or registered by reference (read again from its files):
+            # nothing is lost by dropping it.
+            if not found.exists or self.references.get(content_id) is not None:
+                if self.pool.drop(content_id):
+                    log.info("evicted content %s to make room", content_id)
+                    self.store.call(
+                        "RemoveReplica",
+                        pb.RemoveReplicaRequest(
+                            worker_id=self.worker_id, content_id=content_id, tier="cpu"
+                        ),
+                    )
+                last_copy = False
+            elif any(r.worker_id != self.worker_id for r in found.replicas):
+                outcome = self._give_up_copy(content_id)
+                if outcome == "busy":
+                    continue
+                # "last": the other holders went meanwhile, or evicted theirs first
+                last_copy = outcome == "last"
+            else:
+                last_copy = True
             if last_copy and self.disk is None:
                 continue
             if last_copy and not self._spill(content_id):
                 continue
-            if not last_copy and self.pool.drop(content_id):
-                log.info("evicted content %s to make room", content_id)
-                self.store.call(
-                    "RemoveReplica",
-                    pb.RemoveReplicaRequest(
-                        worker_id=self.worker_id, content_id=content_id, tier="cpu"
-                    ),
-                )
             try:
                 return self.pool.reserve(size_bytes)
             except ResourceExhausted as still_full:
@@ -206,6 +212,38 @@ class WorkerNode:
                 self.pool.release(content)
             written += 1
         return written
+
+    def _give_up_copy(self, content_id: str) -> str:
+        """Drop this worker's copy of a content another live worker holds too: "dropped".
+        The store decides (RemoveReplica `unless_last`, one transaction): two workers evicting
+        the same content at once from FindContent snapshots would otherwise both drop it.
+        "last" when the store finds this the last copy now, "busy" when the copy came into
+        use here meanwhile (it stays, with its row)."""
+        reply = self.store.call(
+            "RemoveReplica",
+            pb.RemoveReplicaRequest(
+                worker_id=self.worker_id, content_id=content_id, tier="cpu", unless_last=True
+            ),
+        )
+        if not reply.removed:
+            return "last"
+        if self.pool.drop(content_id):
+            log.info("evicted content %s to make room", content_id)
+            return "dropped"
+        try:  # held or registering since it was chosen: it stays, and so must its row
+            content = self.pool.get(content_id)
+        except NotFound:
+            return "dropped"  # by another path meanwhile
+        self.store.call(
+            "AddReplica",
+            pb.AddReplicaRequest(
+                worker_id=self.worker_id,
+                content_id=content_id,
+                size_bytes=content.size_bytes,
+                tensors=[tensor_to_pb(t) for t in content.tensors],
+            ),
+        )
+        return "busy"
 
     def _spill(self, content_id: str) -> bool:
         """Move a content from memory to the disk tier; False if it is in use meanwhile."""
