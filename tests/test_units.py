@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -381,11 +382,14 @@ def test_a_lease_table_older_than_a_hand_off_never_brings_the_lease_back():
     def table(token: int, holder: str) -> ShardTable:
         return ShardTable(1, 10.0, (ShardLease(0, holder, token, 10.0),))
 
+    t0 = time.monotonic()  # requests "sent" just now: their leases run 10 s from then
+
     for order in ("hand-off first", "refresh first"):
         cache = LeaseCache("me")
-        assert cache.update(table(5, "me"), sent_at=1.0) == set()
+        assert cache.update(table(5, "me"), sent_at=t0 + 1.0) == set()
         cache.check(0, 5)
-        replies = [(table(6, "other"), 2.0), (table(5, "me"), 3.0)]  # hand-off, stale refresh
+        # The hand-off's reply, and a refresh sent after it that saw the store before it.
+        replies = [(table(6, "other"), t0 + 2.0), (table(5, "me"), t0 + 3.0)]
         if order == "refresh first":
             replies.reverse()
         lost = set()
@@ -397,7 +401,7 @@ def test_a_lease_table_older_than_a_hand_off_never_brings_the_lease_back():
         assert cache.held() == {}
     # A renewal under the same token extends the lease; the newer one wins.
     cache = LeaseCache("me")
-    cache.update(table(7, "me"), sent_at=1.0)
-    cache.update(table(7, "me"), sent_at=2.0)
-    cache.update(table(7, "other"), sent_at=1.5)  # older, same token: ignored
+    cache.update(table(7, "me"), sent_at=t0 + 1.0)
+    cache.update(table(7, "me"), sent_at=t0 + 2.0)
+    cache.update(table(7, "other"), sent_at=t0 + 1.5)  # older, same token: ignored
     assert cache.held() == {0: 7}
