@@ -505,7 +505,7 @@ class SqliteStore:
     ) -> bool:
         def remove() -> bool:
             if unless_last:
-                others = self._live_replicas(self.db, [content_id], now)[content_id]
+                others = self._live_replicas(self.db.conn, [content_id], now)[content_id]
                 if not any(r.worker_id != worker_id for r in others):
                     return False
             self.db.execute(
