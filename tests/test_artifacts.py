@@ -270,10 +270,12 @@ def test_a_reply_that_came_too_late_is_never_taken_for_the_next_one(fresh_cluste
     next request must not read it as its own (it would get another artifact's tensors, or
     another reservation's pool offsets to write to). The connection is dropped and the next
     request opens a fresh one; tensors mapped through the old one stay valid."""
-    with tc.connect(state_dir=fresh_cluster.state_dir, timeout_s=1.0) as rt:
+    with fresh_cluster.connect() as rt:
         zeros = rt.put({"w": torch.zeros(64)}, "late/a")
         ones = rt.put({"w": torch.ones(64)}, "late/b")
         kept = rt.put({"w": torch.full((64,), 3.0)}, "late/c").tensor_dict()["w"]
+        (local,) = rt._local.values()
+        local.sock.settimeout(1.0)  # this connection's next answer: 1 s (the rest: the default)
         worker = fresh_cluster.pid("worker-1")
         os.kill(worker, signal.SIGSTOP)
         try:

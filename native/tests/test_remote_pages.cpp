@@ -568,7 +568,7 @@ void test_puts_are_fenced_before_and_after_their_bytes() {
         CHECK(raw.reply().first == 0);
         raw.send(8, put_body("late", blob.size(), hash));
         raw.send_bytes(std::vector<uint8_t>(blob.begin(), blob.begin() + 50'000));
-        for (int i = 0; i < 1000 && a.arena->used_bytes() == 0; ++i) ::usleep(1000);
+        for (int i = 0; i < 10'000 && a.arena->used_bytes() == 0; ++i) ::usleep(1000);
         a.index->set_leases({{1, {1, tc::monotonic_s() + 3600}}});  // shard 0 moved away
         raw.send_bytes(std::vector<uint8_t>(blob.begin() + 50'000, blob.end()));
         const auto r = raw.reply();
@@ -604,7 +604,8 @@ void test_puts_in_flight_hold_at_most_half_the_pool() {
     CHECK(raw.reply().first == 0);
     raw.send(8, put_body("slow", slow.size(), hex_hash(slow.data(), slow.size())));
     raw.send_bytes(std::vector<uint8_t>(slow.begin(), slow.begin() + 1000));
-    for (int i = 0; i < 1000 && a.arena->used_bytes() < (4u << 20); ++i) ::usleep(1000);
+    for (int i = 0; i < 10'000 && a.arena->used_bytes() < (4u << 20); ++i) ::usleep(1000);
+    CHECK(a.arena->used_bytes() >= (4u << 20));  // the slow PUT holds its regions
     const auto more = random_bytes(2 << 20, 25);
     auto refused = tc::remote_put({page("more", more)}, {a.home({0})}, 60, false, options());
     CHECK(refused.errors[0] && refused.errors[0]->kind == "ResourceExhausted");

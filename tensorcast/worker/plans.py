@@ -149,10 +149,11 @@ class PlanExecutor:
         try:
             routes = self._routes(plan["steps"])
         except errors.TensorcastError:
-            # A key that already finished replays its result even if a target is gone now.
+            # A key that finished ok replays its result even if a target is gone now. (One
+            # still running elsewhere cannot finish ok without that target: the error stands.)
             done = self._recorded(key)
-            if done is not None and done.status != "failed":
-                return self._await_recorded(done, deadline)
+            if done is not None and done.status == "ok":
+                return dict(done.result, replayed=True)
             raise
         record = PlanRecord(
             key, trace_id, "running", {}, 0.0, deadline_at=time.time() + (deadline - started)
