@@ -278,6 +278,7 @@ def test_a_reply_that_came_too_late_is_never_taken_for_the_next_one(fresh_cluste
         local.sock.settimeout(1.0)  # this connection's next answer: 1 s (the rest: the default)
         worker = fresh_cluster.pid("worker-1")
         os.kill(worker, signal.SIGSTOP)
+        wait_until(lambda: _all_threads_stopped(worker), 30)  # delivery is asynchronous
         try:
             with pytest.raises((tc.Unavailable, tc.DeadlineExceeded)):
                 zeros.tensor_dict()  # its "open" is answered after the caller gave up
@@ -289,3 +290,15 @@ def test_a_reply_that_came_too_late_is_never_taken_for_the_next_one(fresh_cluste
         assert torch.equal(twos.tensor_dict()["w"], torch.full((64,), 2.0))
         assert torch.equal(zeros.tensor_dict()["w"], torch.zeros(64))
         assert torch.equal(kept, torch.full((64,), 3.0))
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` in state T (stopped by a signal), from /proc."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return bool(states) and all(state == "T" for state in states)
