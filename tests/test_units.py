@@ -405,3 +405,36 @@ def test_a_lease_table_older_than_a_hand_off_never_brings_the_lease_back():
     cache.update(table(7, "me"), sent_at=t0 + 2.0)
     cache.update(table(7, "other"), sent_at=t0 + 1.5)  # older, same token: ignored
     assert cache.held() == {0: 7}
+
+
+def test_two_threads_spilling_one_content_both_finish_and_the_file_is_whole(tmp_path):
+    """A spill and a persist of the same content at once each write a file of their own and
+    rename it into place: neither fails on the other's temporary, and the result is whole."""
+    import threading
+
+    from tensorcast.worker.disk_tier import DiskTier
+
+    tier = DiskTier(tmp_path / "disk")
+    meta = TensorMeta("w", "U8", (1 << 20,), 1 << 20)
+    data = memoryview(bytes(range(256)) * 4096)
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def spill() -> None:
+        start.wait()
+        try:
+            for _ in range(20):
+                tier.save("c1-same", (meta,), data)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=spill) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    dest = bytearray(len(data))
+    tier.read_into("c1-same", memoryview(dest), 0)
+    assert dest == data
+    assert not list((tmp_path / "disk").glob("*.tmp"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 from tensorcast.errors import NotFound
@@ -27,7 +28,9 @@ class DiskTier:
 
     def save(self, content_id: str, tensors: tuple[TensorMeta, ...], data: memoryview) -> None:
         header = json.dumps({"size_bytes": len(data), "tensors": [t.to_json() for t in tensors]})
-        tmp = self._path(content_id).with_suffix(".tmp")
+        # A name of its own: two threads spilling one content (a spill and a persist) each
+        # write a whole file and the second rename wins, instead of sharing one temporary.
+        tmp = self.directory / f"{content_id}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
             f.write(header.encode() + b"\n")
             f.write(data)
