@@ -298,6 +298,7 @@ void RemotePageService::put(Connection& c, const std::vector<uint8_t>& body) {
     const uint64_t total = request.total_bytes;
     const auto leases = write_leases(writes);
     c.keep = true;
+    {  // regions and budget are given back (or committed) before the reply goes out
     PutRegions held{*index_, receiving_};
     // Refusals before any byte is stored: the bytes are drained and the connection goes on.
     try {
@@ -349,9 +350,9 @@ void RemotePageService::put(Connection& c, const std::vector<uint8_t>& body) {
     options.home = true;
     options.if_absent = request.if_absent;
     options.check_hashes = false;  // hashed above as the bytes landed
-    std::vector<uint64_t> committing = std::move(held.offsets);
-    held.offsets.clear();
+    held.offsets.clear();  // the commit owns the regions now
     index_->commit(writes, request.ttl_s, options);  // frees the regions itself on error
+    }
     if (!c.send(0, {})) throw ConnectionOver{};
 }
 
