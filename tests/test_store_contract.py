@@ -5,6 +5,7 @@ and a real etcd process; times are passed in, so nothing sleeps."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import threading
@@ -13,9 +14,17 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import wait_until
 
-from tensorcast.errors import AlreadyExists, FencingError, IntegrityError, InvalidArgument, NotFound
+from tensorcast.errors import (
+    AlreadyExists,
+    FencingError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from tensorcast.sharding import hrw_rank, shard_of
 from tensorcast.store.base import (
+    DEAD_WORKER_RETENTION_S,
     RECONCILE_GRACE_S,
     DeleteOp,
     GetOp,
@@ -536,6 +545,12 @@ def test_instances_follow_their_worker(records):
     coord.report_instances("a", [inst], 101.5)
     coord.release_shards("a")  # a worker leaving takes its instances along
     assert coord.list_instances(101.6) == []
+    _worker(store, "b", 102.0)
+    coord.report_instances("b", [dataclasses.replace(inst, worker_id="b")], 102.0)
+    store.sweep(102.0 + TTL + 1)  # a dead worker's instances stay listed, as dead
+    assert [i.alive for i in coord.list_instances(102.0 + TTL + 1)] == [False]
+    store.sweep(102.0 + DEAD_WORKER_RETENTION_S + 1)  # and go when the worker is forgotten
+    assert coord.list_instances(102.0 + DEAD_WORKER_RETENTION_S + 1) == []
 
 
 def test_plan_keys_run_once(records):
@@ -835,6 +850,30 @@ def test_etcd_a_store_dying_mid_batch_leaves_none_of_it(etcd_records, monkeypatc
     # Past its deadline the batch is rolled back by any sweep: the names are free again.
     other.sweep(100.0 + other.batch_timeout_s + 1)
     assert other.kv.range("batch/") == {} and other.kv.range("bm/") == {}
+    assert [e for _, e in _batch(other, "w1", "big", 120, 100.0).artifacts] == [False] * 120
+
+
+def test_etcd_a_batch_rolled_back_while_staging_stages_nothing_more(etcd_records, monkeypatch):
+    store, _ = etcd_records()
+    other, _ = etcd_records()
+    _worker(store, "w1", 100.0)
+    calls = []
+    stage = store._stage
+
+    def swept_before_the_second(*args):
+        calls.append(1)
+        if len(calls) == 2:  # another store's sweep gives up on the batch meanwhile
+            (key,) = other.kv.range("batch/", keys_only=True)
+            other._roll_back(key.split("/", 1)[1])
+        return stage(*args)
+
+    monkeypatch.setattr(store, "_stage", swept_before_the_second)
+    with pytest.raises(Unavailable, match="rolled back"):
+        _batch(store, "w1", "big", 120, 100.0)
+    assert len(calls) == 2  # the rest of the batch was not staged
+    # No record of the batch is left behind to block its names for ever.
+    assert store.kv.range("a/big/") == {} and store.kv.range("bm/") == {}
+    assert store.kv.range("batch/") == {}
     assert [e for _, e in _batch(other, "w1", "big", 120, 100.0).artifacts] == [False] * 120
 
 

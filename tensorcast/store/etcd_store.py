@@ -125,7 +125,7 @@ def _plan_chunks(
     reps: list[NewReplica] = []
     arts: list[tuple[int, NewArtifact]] = []
     contents: set[str] = set()
-    cost = 1  # the worker's existence check
+    cost = 2  # the worker's existence check, the batch's pending check
 
     def add(rep: NewReplica | None, art: tuple[int, NewArtifact] | None) -> None:
         nonlocal reps, arts, contents, cost
@@ -134,7 +134,7 @@ def _plan_chunks(
         extra += 0 if content_id in contents else CONTENT_COST
         if cost + extra > MAX_TXN_OPS and (reps or arts):
             chunks.append((reps, arts))
-            reps, arts, contents, cost = [], [], set(), 1
+            reps, arts, contents, cost = [], [], set(), 2
             extra = (REPLICA_COST if rep else 0) + (ARTIFACT_COST if art else 0) + CONTENT_COST
         cost += extra
         contents.add(content_id)
@@ -582,9 +582,18 @@ class EtcdStore:
         )
         keys = [f"w/{worker_id}"] if reps else []
         keys += [f"c/{c}" for c in content_ids] + [f"a/{a.art_id}" for _, a in arts]
+        if bid:
+            keys.append(f"batch/{bid}")
         got, rows = self.kv.read_many(keys, [f"r/{r.content_id}/" for r in reps])
         compares: list[dict] = []
         ops: list[dict] = []
+        if bid:
+            # Staged only while the batch is pending: a rollback lists the batch's members
+            # after flipping it to aborted, so a chunk landing later would be missed by it.
+            batch = got[f"batch/{bid}"]
+            if batch is None or batch.value["state"] != "pending":
+                raise Unavailable("the batch was rolled back meanwhile; nothing was created")
+            compares.append(self.kv.unchanged(f"batch/{bid}", batch))
         if reps:
             if got[f"w/{worker_id}"] is None:
                 raise NotFound(f"worker {worker_id} is not registered")
@@ -1036,6 +1045,7 @@ class EtcdStore:
                 self._drop_worker_replicas(worker_id)
             if beat < now - DEAD_WORKER_RETENTION_S:
                 self.kv.apply([self.kv.delete(wid)])
+                _drop_instances(self.kv, worker_id)  # they died with it, or moved on
         for key in self.kv.range("unref/", keys_only=True):
             self._collect_unreferenced(key[len("unref/") :], now)
 
@@ -1239,12 +1249,7 @@ class EtcdCoordination:
                 self.kv.txn([self.kv.unchanged(key, current)], [self.kv.put(key, record)])
 
             self.kv.optimistic(release)
-        ops = [
-            self.kv.delete(k)
-            for k, i in self.kv.range("i/").items()
-            if i.value["worker_id"] == worker_id
-        ]
-        self.kv.apply(ops)
+        _drop_instances(self.kv, worker_id)
 
     # -- instances ------------------------------------------------------------------------------
 
@@ -1364,6 +1369,10 @@ class EtcdCoordination:
                 and p.value["finished_at"] < now - PLAN_RETENTION_S
             ]
         )
+
+
+def _drop_instances(kv: EtcdKV, worker_id: str) -> None:
+    kv.apply([kv.delete(k) for k, i in kv.range("i/").items() if i.value["worker_id"] == worker_id])
 
 
 def _plan(key: str, p: dict) -> PlanRecord:

@@ -943,6 +943,11 @@ class SqliteStore:
             self.db.execute(
                 "DELETE FROM workers WHERE last_heartbeat < ?", [now - DEAD_WORKER_RETENTION_S]
             )
+            # A forgotten worker's instances go with it (they died with it, or moved on and
+            # are reported by their new worker).
+            self.db.execute(
+                "DELETE FROM instances WHERE worker_id NOT IN (SELECT worker_id FROM workers)"
+            )
             unreferenced = (
                 "content_id IN (SELECT content_id FROM contents c WHERE created_at < ? AND NOT "
                 "EXISTS (SELECT 1 FROM artifacts a WHERE a.content_id = c.content_id))"
