@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import Cluster, pool_used, wait_until, worker_contents
 
 import tensorcast as tc
 from tensorcast.metrics import rpc_counts
+from tensorcast.sdk import writes
 
 # Requests workers make on their own (heartbeats, shard leases), and a caller's refresh of its
 # worker list (at most one per WORKERS_CACHE_S, whatever it does): not per operation.
@@ -334,6 +336,40 @@ def test_a_store_killed_mid_batch_leaves_all_of_it_or_none(fault_dir, when):
         again = rt.put_many(items)  # all of it, either way
         assert len(again) == 60
         assert torch.equal(rt.artifact("fault/059").tensor_dict()["w"], items["fault/059"]["w"])
+
+
+def test_a_remote_batch_slower_than_the_unreferenced_grace_is_named_whole(fault_dir, monkeypatch):
+    c = fault_dir
+    grace = 3.0  # the store collects a content named by nothing after this
+    c.tc(
+        "up",
+        "--workers",
+        "1",
+        "--mem",
+        "64MiB",
+        "--json",
+        check=True,
+        env={"TC_UNREFERENCED_GRACE_S": str(grace)},
+    )
+    monkeypatch.setenv("TC_HOST_ID", "elsewhere")  # no worker here: contents go one by one
+    write_remote = writes.write_remote
+    written: list[float] = []
+
+    def slow(*args):
+        if written:  # the first content lies unnamed past the grace and a few sweeps
+            past = written[0] + grace + 2.0
+            wait_until(lambda: time.monotonic() > past, grace + 10)
+        committed = write_remote(*args)
+        written.append(time.monotonic())
+        return committed
+
+    monkeypatch.setattr(writes, "write_remote", slow)
+    items = {f"slow/{i}": {"w": torch.full((16,), float(i))} for i in range(2)}
+    with c.connect() as rt:
+        assert len(rt.put_many(items)) == 2
+        assert len(written) == 2  # both streamed to the remote worker
+        for art_id, tensors in items.items():
+            assert torch.equal(rt.artifact(art_id).tensor_dict()["w"], tensors["w"])
 
 
 def _heartbeat_kinds(cluster: Cluster) -> dict[str, float]:

@@ -448,6 +448,24 @@ def test_sweep_collects_unnamed_contents_and_dead_workers_replicas(records):
     }
 
 
+def test_touched_contents_wait_another_grace_to_be_named(records):
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    _content(store, "w1", "kept", 100.0)
+    _content(store, "w1", "left", 100.0)
+    beat = 100.0 + GRACE - 1  # the worker lives on; a long batch keeps "kept" new
+    _beat(store, "w1", beat, ["kept", "left"])
+    assert store.held_contents(["kept", "gone"], beat, touch=True) == {"kept"}
+    store.sweep(100.0 + GRACE + 1)
+    assert store.find_content("left", 100.0 + GRACE + 1) is None
+    assert store.find_content("kept", 100.0 + GRACE + 1) is not None
+    store.create_artifact("named", "kept", "system", 0, "", 100.0 + GRACE + 1)  # named at last
+    assert store.held_contents(["left"], beat, touch=True) == set()  # nothing to keep
+    _beat(store, "w1", beat + GRACE, ["kept"])
+    store.sweep(beat + GRACE + 1)
+    assert store.find_content("kept", beat + GRACE + 1) is not None
+
+
 # -- shard leases, instances, plans ----------------------------------------------------------------
 
 

@@ -483,16 +483,20 @@ class DeleteArtifactsReply(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class HeldContentsRequest(_message.Message):
-    __slots__ = ("content_ids",)
+    __slots__ = ("content_ids", "touch")
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_FIELD_NUMBER: _ClassVar[int]
     content_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    touch: bool
+    def __init__(self, content_ids: _Optional[_Iterable[str]] = ..., touch: _Optional[bool] = ...) -> None: ...
 
 class HeldContentsReply(_message.Message):
-    __slots__ = ("content_ids",)
+    __slots__ = ("content_ids", "unreferenced_grace_s")
     CONTENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNREFERENCED_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     content_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, content_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    unreferenced_grace_s: float
+    def __init__(self, content_ids: _Optional[_Iterable[str]] = ..., unreferenced_grace_s: _Optional[float] = ...) -> None: ...
 
 class StoreOp(_message.Message):
     __slots__ = ("put", "get", "delete")

@@ -7,13 +7,16 @@ artifact with a single PutArtifacts call. A small put therefore costs one round 
 worker and, from there, one to the Global Store. Contents the cluster already holds move no bytes
 when they are large (one HeldContents request asks first); small ones are sent anyway (cheaper
 than asking). Other hosts: contents are streamed to a remote worker one by one, then named
-together (one PutArtifacts, no replicas). All or nothing: a bad member changes nothing, and the
+together (one PutArtifacts, no replicas), kept from the store's sweep of unnamed contents until
+then however long the batch takes. All or nothing: a bad member changes nothing, and the
 error names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -223,18 +226,48 @@ def _put_remote(
     then name them all in one transaction."""
     from tensorcast.sdk import writes
 
-    content_ids = []
-    for spec in specs:
-        if spec.content_id is not None and spec.content_id in held:
-            content_ids.append(spec.content_id)
-            continue
-        committed = writes.write_remote(
-            runtime, worker, spec.metas, spec.size_bytes, spec.fill, progress
-        )
-        content_ids.append(committed.content_id)
-    infos = name_batch(runtime, specs, content_ids)
+    content_ids: list[str] = []
+    with _kept_unnamed(runtime, content_ids):
+        for spec in specs:
+            if spec.content_id is not None and spec.content_id in held:
+                content_ids.append(spec.content_id)
+                continue
+            committed = writes.write_remote(
+                runtime, worker, spec.metas, spec.size_bytes, spec.fill, progress
+            )
+            content_ids.append(committed.content_id)
+        infos = name_batch(runtime, specs, content_ids)
     _tell_written(specs, infos)
     return infos
+
+
+@contextlib.contextmanager
+def _kept_unnamed(runtime: Runtime, content_ids: list[str]) -> Iterator[None]:
+    """While the body runs, keep the contents in `content_ids` (written so far, named by no
+    artifact until the batch is named at the end) from the store's unreferenced sweep: a batch
+    taking longer than its grace would lose its first contents and fail. A background thread
+    marks them new again every quarter of the grace (the store's reply says how long it is)."""
+    stop = threading.Event()
+
+    def keep() -> None:
+        every = 0.0  # at once: learn the grace
+        while not stop.wait(every):
+            try:
+                reply = runtime.store.call(
+                    "HeldContents",
+                    pb.HeldContentsRequest(content_ids=list(content_ids), touch=True),
+                )
+                every = max(0.1, reply.unreferenced_grace_s / 4)
+            except TensorcastError:
+                every = 1.0  # the store is away: try again (the put itself will say)
+
+    thread = threading.Thread(target=keep, name="tc-keep-unnamed", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(runtime.timeout_s)
 
 
 def name_batch(

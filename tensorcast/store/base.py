@@ -348,8 +348,11 @@ class MetadataStore(Protocol):
         has no replicas. Readers never see part of a batch."""
         ...
 
-    def held_contents(self, content_ids: list[str], now: float) -> set[str]:
-        """Those of `content_ids` that some live worker holds (a put of them moves no bytes)."""
+    unreferenced_grace_s: float  # how long a content named by no artifact is kept
+
+    def held_contents(self, content_ids: list[str], now: float, touch: bool = False) -> set[str]:
+        """Those of `content_ids` that some live worker holds (a put of them moves no bytes).
+        `touch`: those held count as created `now` (kept another unreferenced grace)."""
         ...
 
     def get_artifact(self, art_id: str, now: float) -> ArtifactInfo: ...

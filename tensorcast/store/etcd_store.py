@@ -930,10 +930,25 @@ class EtcdStore:
         page = [infos[a] for a in ids[:limit] if a in infos]
         return page, (ids[limit - 1] if len(ids) > limit else "")
 
-    def held_contents(self, content_ids: list[str], now: float) -> set[str]:
+    def held_contents(self, content_ids: list[str], now: float, touch: bool = False) -> set[str]:
         live = self._live_workers(now)
         _, rows = self.kv.read_many([], [f"r/{c}/" for c in content_ids])
-        return {c for c in content_ids if _replicas_of(rows[f"r/{c}/"], live)}
+        held = {c for c in content_ids if _replicas_of(rows[f"r/{c}/"], live)}
+        found = sorted(held) if touch else []
+        for start in range(0, len(found), MAX_TXN_OPS // 2):
+
+            def renew(part: list[str] = found[start : start + MAX_TXN_OPS // 2]) -> None:
+                got, _ = self.kv.read_many([f"c/{c}" for c in part])
+                compares, ops = [], []
+                for key, item in got.items():
+                    if item is not None and item.value["created_at"] < now:
+                        compares.append(self.kv.unchanged(key, item))
+                        ops.append(self.kv.put(key, dict(item.value, created_at=now)))
+                if ops:
+                    self.kv.txn(compares, ops)
+
+            self.kv.optimistic(renew)
+        return held
 
     def run_batch(self, ops: list[StoreOp], now: float) -> list[OpResult]:
         return run_each(self, ops, now)  # each its own transaction(s): etcd batches fsyncs

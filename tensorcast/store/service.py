@@ -247,8 +247,10 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         return pb.BatchReply(results=results)
 
     def HeldContents(self, request, context):
-        held = self.store.held_contents(list(request.content_ids), time.time())
-        return pb.HeldContentsReply(content_ids=sorted(held))
+        held = self.store.held_contents(list(request.content_ids), time.time(), request.touch)
+        return pb.HeldContentsReply(
+            content_ids=sorted(held), unreferenced_grace_s=self.store.unreferenced_grace_s
+        )
 
     def RenewLease(self, request, context):
         return artifact_to_pb(self.store.renew_lease(request.art_id, request.ttl_s, time.time()))

@@ -528,7 +528,7 @@ class SqliteStore:
         tensors = tuple(TensorMeta.from_json(t) for t in json.loads(row[1]))
         return ContentInfo(content_id, row[0], tensors, replicas)
 
-    def held_contents(self, content_ids: list[str], now: float) -> set[str]:
+    def held_contents(self, content_ids: list[str], now: float, touch: bool = False) -> set[str]:
         conn = self._reader()
         held: set[str] = set()
         for start in range(0, len(content_ids), IN_CHUNK):
@@ -540,6 +540,20 @@ class SqliteStore:
                 [*batch, now - self.heartbeat_ttl_s],
             )
             held.update(r[0] for r in rows)
+        if touch and held:
+            found = sorted(held)
+
+            def renew() -> None:
+                for start in range(0, len(found), IN_CHUNK):
+                    batch = found[start : start + IN_CHUNK]
+                    marks = ",".join("?" * len(batch))
+                    self.db.execute(
+                        f"UPDATE contents SET created_at = ? WHERE content_id IN ({marks}) "
+                        "AND created_at < ?",
+                        [now, *batch, now],
+                    )
+
+            self.write(renew)
         return held
 
     def _live_replicas(
