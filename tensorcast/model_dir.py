@@ -23,6 +23,15 @@ MAX_BLOB_BYTES = 64 * 1024 * 1024
 SKIPPED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 
 
+# What tells a file replaced or rewritten since it was scanned: path, size, mtime_ns, inode.
+FileFacts = tuple[str, int, int, int]
+
+
+def file_facts(path: Path) -> FileFacts:
+    st = os.stat(path)
+    return (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     headers: tuple[SafetensorsHeader, ...]

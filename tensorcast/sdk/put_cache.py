@@ -10,15 +10,13 @@ import os
 from pathlib import Path
 
 from tensorcast.config import cache_dir
+from tensorcast.model_dir import file_facts
 
 MAX_ENTRIES = 256
 
 
 def fingerprint(paths: list[Path]) -> str:
-    facts = []
-    for p in paths:
-        st = p.stat()
-        facts.append([str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino])
+    facts = [file_facts(p.resolve()) for p in paths]
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()
 
 

@@ -7,14 +7,13 @@ claims that the worker verifies. Any failure aborts the write: nothing is half-w
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import STREAM_CHUNK_BYTES
 from tensorcast.errors import IntegrityError, NotFound
-from tensorcast.model_dir import ModelFiles, layout
+from tensorcast.model_dir import FileFacts, ModelFiles, file_facts, layout
 from tensorcast.transport import native
 from tensorcast.types import Committed, TensorMeta
 
@@ -59,18 +58,17 @@ def plan_files(files: ModelFiles) -> tuple[list[TensorMeta], int, Filler]:
     return list(plan.tensors), plan.size_bytes, fill
 
 
-def _facts(paths: Sequence[Path]) -> list[tuple[str, int, int, int]]:
+def _facts(paths: Sequence[Path]) -> list[FileFacts]:
     out = []
     for path in paths:
         try:
-            st = os.stat(path)
+            out.append(file_facts(path))
         except FileNotFoundError:
             raise NotFound(f"{path} is gone (removed since it was scanned)") from None
-        out.append((str(path), st.st_size, st.st_mtime_ns, st.st_ino))
     return out
 
 
-def _check_unchanged(scanned: list[tuple[str, int, int, int]]) -> None:
+def _check_unchanged(scanned: list[FileFacts]) -> None:
     now = _facts([Path(f[0]) for f in scanned])
     for before, after in zip(scanned, now):
         if before != after:

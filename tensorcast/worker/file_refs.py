@@ -20,16 +20,9 @@ from pathlib import Path
 
 from tensorcast.errors import IntegrityError, InvalidArgument, NotFound
 from tensorcast.identity import reference_id
-from tensorcast.model_dir import Extent, FileLayout, layout, scan
+from tensorcast.model_dir import Extent, FileFacts, FileLayout, file_facts, layout, scan
 from tensorcast.transport import native
 from tensorcast.types import TensorMeta
-
-FileFacts = tuple[str, int, int, int]  # path, size, mtime_ns, inode
-
-
-def file_facts(path: Path) -> FileFacts:
-    st = os.stat(path)
-    return (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 @dataclass(frozen=True)
