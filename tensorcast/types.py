@@ -305,6 +305,7 @@ class PlanRecord:
     created_at: float
     finished_at: float = 0.0
     deadline_at: float = 0.0
+    run_id: str = ""  # one claim of the key (see BeginPlan)
 
     def to_json(self) -> dict:
         return {

@@ -510,6 +510,10 @@ def test_only_the_holder_hands_a_shard_off_and_the_token_grows(records):
     assert (table.leases[0].holder_worker_id, table.leases[0].token) == ("b", 2)
     assert table.leases[0].expires_in_s == pytest.approx(TTL)
     assert (table.leases[1].holder_worker_id, table.leases[1].token) == ("a", 1)
+    again = coord.hand_off_shard("a", 0, 1, "b", 100.6)  # a re-sent request: the same outcome
+    assert (again.leases[0].holder_worker_id, again.leases[0].token) == ("b", 2)
+    with pytest.raises(FencingError):  # but not a hand-off to anyone else
+        coord.hand_off_shard("a", 0, 1, "a", 100.6)
     coord.renew_shards("a", [(0, 1)], 101.0)  # the old holder's renewal is ignored
     assert coord.shard_table(101.0).leases[0].holder_worker_id == "b"
     with pytest.raises(FencingError):  # a lapsed lease cannot be handed off
@@ -592,6 +596,16 @@ def test_plan_keys_run_once(records):
     coord.begin_plan(PlanRecord("j", "t1", "running", {}, 0.0, deadline_at=110.0), 100.0)
     assert coord.begin_plan(PlanRecord("j", "t2", "running", {}, 0.0), 111.0)[0]
     assert [p.idempotency_key for p in coord.list_plans(10)] == ["j", "k"]
+    # A claim re-sent (its reply was lost) is the claim, not a run to wait for; another is.
+    claim = PlanRecord("r", "t1", "running", {}, 0.0, deadline_at=130.0, run_id="run-1")
+    assert coord.begin_plan(claim, 120.0) == (True, None)
+    assert coord.begin_plan(claim, 120.5) == (True, None)
+    other = PlanRecord("r", "t1", "running", {}, 0.0, deadline_at=130.0, run_id="run-2")
+    started, previous = coord.begin_plan(other, 121.0)
+    assert not started and previous.run_id == "run-1"
+    coord.finish_plan(PlanRecord("r", "t1", "ok", {"x": 2}, 0.0), 122.0)
+    started, previous = coord.begin_plan(claim, 123.0)  # finished: a late re-send replays
+    assert not started and previous.result == {"x": 2}
 
 
 def test_hrw_ranking_is_stable_and_spreads_shards():

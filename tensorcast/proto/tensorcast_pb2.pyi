@@ -245,7 +245,7 @@ class ListInstancesReply(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
 
 class PlanRecord(_message.Message):
-    __slots__ = ("idempotency_key", "trace_id", "status", "result_json", "created_at", "finished_at", "deadline_at")
+    __slots__ = ("idempotency_key", "trace_id", "status", "result_json", "created_at", "finished_at", "deadline_at", "run_id")
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class PlanRecord(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_AT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     idempotency_key: str
     trace_id: str
     status: str
@@ -260,7 +261,8 @@ class PlanRecord(_message.Message):
     created_at: float
     finished_at: float
     deadline_at: float
-    def __init__(self, idempotency_key: _Optional[str] = ..., trace_id: _Optional[str] = ..., status: _Optional[str] = ..., result_json: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., deadline_at: _Optional[float] = ...) -> None: ...
+    run_id: str
+    def __init__(self, idempotency_key: _Optional[str] = ..., trace_id: _Optional[str] = ..., status: _Optional[str] = ..., result_json: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., deadline_at: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class BeginPlanReply(_message.Message):
     __slots__ = ("started", "existing")

@@ -200,6 +200,7 @@ def plan_to_pb(p: PlanRecord) -> pb.PlanRecord:
         created_at=p.created_at,
         finished_at=p.finished_at,
         deadline_at=p.deadline_at,
+        run_id=p.run_id,
     )
 
 
@@ -212,4 +213,5 @@ def plan_from_pb(m: pb.PlanRecord) -> PlanRecord:
         created_at=m.created_at,
         finished_at=m.finished_at,
         deadline_at=m.deadline_at,
+        run_id=m.run_id,
     )

@@ -436,6 +436,17 @@ class Coordination(Protocol):
     def sweep(self, now: float) -> None: ...
 
 
+def plan_resent(previous: PlanRecord | None, record: PlanRecord) -> bool:
+    """`record` is a BeginPlan re-sent for the claim that holds its key (its first reply was
+    lost, or the call went to another store member): that claim started, it is no other run."""
+    return (
+        previous is not None
+        and previous.status == "running"
+        and bool(record.run_id)
+        and previous.run_id == record.run_id
+    )
+
+
 def every_page(store: MetadataStore, prefix: str, now: float) -> list[ArtifactInfo]:
     """`list_artifacts` of either backend: every page of `list_artifact_page`, with tensors."""
     infos, after = store.list_artifact_page(prefix, "", 0, now, with_tensors=True)

@@ -17,6 +17,7 @@ from tensorcast.store.base import (
     SHARD_HOME_ROLE,
     check_num_shards,
     fixed_num_shards,
+    plan_resent,
 )
 from tensorcast.store.sqlite_store import SqliteStore
 from tensorcast.types import InstanceInfo, PlanRecord, ShardLease, ShardTable
@@ -121,6 +122,8 @@ class SqliteCoordination:
                 "WHERE shard = ?",
                 [shard],
             ).fetchone()
+            if lease is not None and (lease[0], lease[1]) == (to_worker_id, token + 1):
+                return self._table(now)  # this very hand-off, re-sent (its reply was lost)
             if lease is None or lease[0] != worker_id or lease[1] != token or lease[2] <= now:
                 raise FencingError(
                     f"worker {worker_id} does not hold shard {shard} under token {token}"
@@ -240,10 +243,13 @@ class SqliteCoordination:
         """Claim `record.idempotency_key` for a run. Returns (started, previous record).
 
         Not started when the key finished ok, or is running and not past its deadline. A failed
-        or abandoned run is replaced: the caller reuses the steps it finished.
+        or abandoned run is replaced: the caller reuses the steps it finished. A request
+        re-sent for the claim that holds the key (same run id) is told it started.
         """
         with self.store.transaction():
             previous = self._plan(record.idempotency_key)
+            if plan_resent(previous, record):
+                return True, None
             if previous is not None and (
                 previous.status == "ok"
                 or (previous.status == "running" and previous.deadline_at > now)
@@ -251,13 +257,15 @@ class SqliteCoordination:
                 return False, previous
             self.db.execute(
                 "INSERT OR REPLACE INTO plan_results (idempotency_key, trace_id, status, result, "
-                "created_at, finished_at, deadline_at) VALUES (?, ?, 'running', ?, ?, 0, ?)",
+                "created_at, finished_at, deadline_at, run_id) "
+                "VALUES (?, ?, 'running', ?, ?, 0, ?, ?)",
                 [
                     record.idempotency_key,
                     record.trace_id,
                     json.dumps(record.result),
                     now,
                     record.deadline_at,
+                    record.run_id,
                 ],
             )
             return True, previous
@@ -303,13 +311,13 @@ class SqliteCoordination:
 
     def _plan(self, key: str) -> PlanRecord | None:
         row = self.db.execute(
-            "SELECT trace_id, status, result, created_at, finished_at, deadline_at "
+            "SELECT trace_id, status, result, created_at, finished_at, deadline_at, run_id "
             "FROM plan_results WHERE idempotency_key = ?",
             [key],
         ).fetchone()
         if row is None:
             return None
-        trace_id, status, result, created_at, finished_at, deadline_at = row
+        trace_id, status, result, created_at, finished_at, deadline_at, run_id = row
         return PlanRecord(
             key,
             trace_id,
@@ -318,6 +326,7 @@ class SqliteCoordination:
             created_at,
             finished_at or 0.0,
             deadline_at or 0.0,
+            run_id or "",
         )
 
     def sweep(self, now: float) -> None:

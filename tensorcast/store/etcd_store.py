@@ -71,6 +71,7 @@ from tensorcast.store.base import (
     fixed_num_shards,
     member,
     page_limit,
+    plan_resent,
     run_each,
     validate_art_id,
 )
@@ -1205,6 +1206,11 @@ class EtcdCoordination:
 
         def hand_off() -> None:
             lease = self.kv.get(key)
+            if lease is not None and (lease.value["holder"], lease.value["token"]) == (
+                to_worker_id,
+                token + 1,
+            ):
+                return  # this very hand-off, re-sent (its reply was lost)
             if (
                 lease is None
                 or lease.value["holder"] != worker_id
@@ -1330,6 +1336,8 @@ class EtcdCoordination:
         def begin() -> tuple[bool, PlanRecord | None]:
             item = self.kv.get(key)
             previous = _plan(record.idempotency_key, item.value) if item else None
+            if plan_resent(previous, record):
+                return True, None
             if previous is not None and (
                 previous.status == "ok"
                 or (previous.status == "running" and previous.deadline_at > now)
@@ -1342,6 +1350,7 @@ class EtcdCoordination:
                 "created_at": now,
                 "finished_at": 0.0,
                 "deadline_at": record.deadline_at,
+                "run_id": record.run_id,
             }
             self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, value)])
             return True, previous
@@ -1399,4 +1408,5 @@ def _plan(key: str, p: dict) -> PlanRecord:
         p["created_at"],
         p["finished_at"] or 0.0,
         p["deadline_at"] or 0.0,
+        p.get("run_id", ""),
     )

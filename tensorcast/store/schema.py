@@ -117,7 +117,12 @@ def _v6(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS = (_v1, _v2, _v3, _v4, _v5, _v6)
+def _v7(db: sqlite_utils.Database) -> None:
+    """Plan claims carry a run id, so a BeginPlan re-sent for a claim is told it holds it."""
+    db.table("plan_results").add_column("run_id", str, not_null_default="")
+
+
+MIGRATIONS = (_v1, _v2, _v3, _v4, _v5, _v6, _v7)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

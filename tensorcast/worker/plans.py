@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -156,7 +157,13 @@ class PlanExecutor:
                 return dict(done.result, replayed=True)
             raise
         record = PlanRecord(
-            key, trace_id, "running", {}, 0.0, deadline_at=time.time() + (deadline - started)
+            key,
+            trace_id,
+            "running",
+            {},
+            0.0,
+            deadline_at=time.time() + (deadline - started),
+            run_id=uuid.uuid4().hex,  # a re-sent BeginPlan of this run is this run
         )
         begun = self.node.store.call("BeginPlan", plan_to_pb(record))
         previous = plan_from_pb(begun.existing) if begun.HasField("existing") else None
