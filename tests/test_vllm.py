@@ -358,6 +358,28 @@ def test_requests_with_adapters_salts_or_images_get_their_own_chains():
     assert _Tracked(request(prompt_embeds=object())).root is None
 
 
+@pytest.mark.parametrize("option", ["pipeline_parallel_size", "decode_context_parallel_size"])
+def test_pipeline_and_decode_context_parallelism_are_refused(option):
+    # Their ranks hold other layers (or tokens) of a block under the same page keys: refused
+    # before anything is written, with the option named.
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import tensorcast as tc
+    from tensorcast.integrations.vllm.connector import TensorCastConnector
+
+    sizes = {"pipeline_parallel_size": 1, "decode_context_parallel_size": 1, option: 2}
+    config = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(kv_connector="TensorCastConnector", kv_role="kv_both"),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, **sizes),
+    )
+    with pytest.raises(tc.InvalidArgument, match=f"{option} > 1"):
+        TensorCastConnector(config, KVConnectorRole.WORKER, None)  # type: ignore[arg-type]
+
+
 def test_a_preemption_waits_only_for_the_preempted_requests_saves():
     """Saves run on one background thread. A step that preempts a request frees its blocks, so
     its saves must not read them later: those not started are cancelled, and the step does not
