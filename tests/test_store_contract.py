@@ -25,6 +25,7 @@ from tensorcast.errors import (
 from tensorcast.sharding import hrw_rank, shard_of
 from tensorcast.store.base import (
     DEAD_WORKER_RETENTION_S,
+    PLAN_RETENTION_S,
     RECONCILE_GRACE_S,
     DeleteOp,
     GetOp,
@@ -907,6 +908,26 @@ def test_etcd_a_batch_rolled_back_while_staging_stages_nothing_more(etcd_records
     assert store.kv.range("a/big/") == {} and store.kv.range("bm/") == {}
     assert store.kv.range("batch/") == {}
     assert [e for _, e in _batch(other, "w1", "big", 120, 100.0).artifacts] == [False] * 120
+
+
+def test_etcd_sweeps_finished_plans_by_their_index(etcd_records, monkeypatch):
+    store, coord = etcd_records()
+    for key, finished in (("old", 100.0), ("new", 200.0), ("again", 100.0)):
+        coord.begin_plan(PlanRecord(key, "t", "running", {}, 0.0, deadline_at=1e9), finished)
+        coord.finish_plan(PlanRecord(key, "t", "failed", {}, 0.0), finished)
+    # "again" is claimed anew: its old index entry must not drop the running claim.
+    coord.begin_plan(PlanRecord("again", "t2", "running", {}, 0.0, deadline_at=1e9), 150.0)
+    ranged: list[str] = []
+    range_ = store.kv.range
+    monkeypatch.setattr(
+        store.kv, "range", lambda prefix, **kw: ranged.append(prefix) or range_(prefix, **kw)
+    )
+    coord._full_plan_sweep_at = float("inf")  # only the index (the hourly full pass is off)
+    coord.sweep(150.0 + PLAN_RETENTION_S)
+    assert "p/" not in ranged  # no plan record read but the due ones
+    assert sorted(p.idempotency_key for p in coord.list_plans(10)) == ["again", "new"]
+    assert coord.get_plan("again").status == "running"
+    assert [k.split("/")[-1] for k in range_("pdone/", keys_only=True)] == ["new"]
 
 
 def test_etcd_a_store_dying_after_the_commit_leaves_all_of_it(etcd_records, monkeypatch):

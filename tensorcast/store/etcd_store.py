@@ -94,6 +94,15 @@ def _exp_key(expires_at: float, art_id: str) -> str:
     return f"exp/{expires_at:020.6f}/{art_id}"
 
 
+PLAN_FULL_SWEEP_S = 3600.0
+
+
+def _done_key(finished_at: float, plan_key: str) -> str:
+    """A finished plan's entry in the retention index (keys sort by finish time), so a sweep
+    reads only the records past their retention, not every plan record every time."""
+    return f"pdone/{finished_at:020.6f}/{plan_key}"
+
+
 def _replica_keys(content_id: str, worker_id: str, tier: str) -> tuple[str, str]:
     return f"r/{content_id}/{worker_id}/{tier}", f"rw/{worker_id}/{content_id}/{tier}"
 
@@ -1119,6 +1128,7 @@ class EtcdCoordination:
         self.store = store
         self.kv = store.kv
         self.num_shards = self._settle_num_shards(num_shards)
+        self._full_plan_sweep_at = 0.0  # monotonic; see sweep
 
     def _settle_num_shards(self, requested: int | None) -> int:
         check_num_shards(requested)
@@ -1369,7 +1379,10 @@ class EtcdCoordination:
                     f"plan {record.idempotency_key!r} (trace {record.trace_id}) is not running"
                 )
             value = dict(item.value, status=record.status, result=record.result, finished_at=now)
-            self.kv.txn([self.kv.unchanged(key, item)], [self.kv.put(key, value)])
+            ops = [self.kv.put(key, value), self.kv.put(_done_key(now, record.idempotency_key), 1)]
+            if item.value["finished_at"] not in (0.0, now):  # finished before: a re-send
+                ops.append(self.kv.delete(_done_key(item.value["finished_at"], key[2:])))
+            self.kv.txn([self.kv.unchanged(key, item)], ops)
 
         self.kv.optimistic(finish)
 
@@ -1385,14 +1398,33 @@ class EtcdCoordination:
         return sorted(plans, key=lambda p: p.created_at, reverse=True)[:limit]
 
     def sweep(self, now: float) -> None:
-        self.kv.apply(
-            [
-                self.kv.delete(k)
-                for k, p in self.kv.range("p/").items()
-                if p.value["status"] != "running"
-                and p.value["finished_at"] < now - PLAN_RETENTION_S
-            ]
-        )
+        """Drop finished plans past their retention: those the index names as due, reading
+        nothing else; and, at most hourly, every record (plans finished before the index)."""
+        cutoff = now - PLAN_RETENTION_S
+        for key in self.kv.range("pdone/", keys_only=True):
+            _, when, plan_key = key.split("/", 2)
+            if float(when) >= cutoff:
+                break  # keys sort by finish time
+            self._drop_plan(plan_key, cutoff, [self.kv.delete(key)])
+        if time.monotonic() >= self._full_plan_sweep_at:
+            self._full_plan_sweep_at = time.monotonic() + PLAN_FULL_SWEEP_S
+            for key, item in self.kv.range("p/").items():
+                if item.value["status"] != "running" and item.value["finished_at"] < cutoff:
+                    self._drop_plan(key[2:], cutoff, [])
+
+    def _drop_plan(self, plan_key: str, cutoff: float, ops: list[dict]) -> None:
+        def drop() -> None:
+            item = self.kv.get(f"p/{plan_key}")
+            p = item.value if item is not None else None
+            if p is not None and p["status"] != "running" and p["finished_at"] < cutoff:
+                self.kv.txn(
+                    [self.kv.unchanged(f"p/{plan_key}", item)],
+                    [*ops, self.kv.delete(f"p/{plan_key}")],
+                )
+            elif ops:  # claimed again since (or gone): only its old index entry goes
+                self.kv.apply(ops)
+
+        self.kv.optimistic(drop)
 
 
 def _drop_instances(kv: EtcdKV, worker_id: str) -> None:
