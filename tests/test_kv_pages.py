@@ -115,6 +115,47 @@ def test_ttl_expiry_and_lru_eviction_when_the_pool_is_full(fresh_cluster):
         assert torch.equal(newest.tensor(), torch.full((256 * 1024,), 95.0))
 
 
+@pytest.mark.parametrize("path", ["shared-memory", "remote"])
+def test_reads_renew_page_leases(cluster, path):
+    """A page read through `get_pages` more often than its ttl_s outlives that ttl_s (same
+    host: reads through the shared-memory directory, which the worker learns of at expiry;
+    remote: READs on the data port); a sibling only asked about (`exists_pages`) expires."""
+    with cluster.connect() as rt:
+        if path == "remote":
+            _remote(rt)
+        pages = rt.pages()
+        for ttl_s in (1.0, 2.0, 4.0, 8.0):
+            if _read_page_outlives_its_ttl(pages, f"kv/renew/{path}/{ttl_s}", ttl_s):
+                return
+        pytest.fail("no attempt read its page within its ttl_s, even with an 8 s ttl_s")
+
+
+def _read_page_outlives_its_ttl(pages, prefix: str, ttl_s: float) -> bool:
+    """Read one page every ttl_s / 5 until 1.5 ttl_s after its put. False (inconclusive: try
+    a longer ttl_s) when the machine stalled so long between reads that the lease ran out."""
+    read, idle = f"{prefix}/read", f"{prefix}/idle"
+    pages.put_pages({read: torch.ones(16), idle: torch.ones(16)}, ttl_s=ttl_s)
+    put_done = time.monotonic()
+    last_read = time.monotonic()  # each read found the page: it is live ttl_s from then on
+    while True:
+        started = time.monotonic()
+        (page,) = pages.get_pages([read])
+        if page is None:
+            assert time.monotonic() >= last_read + ttl_s, "a page read within its ttl_s expired"
+            return False
+        last_read = started
+        pages.exists_pages([idle])  # asked about, never read: no renewal
+        if started > put_done + 1.5 * ttl_s:
+            break
+        time.sleep(ttl_s / 5)
+    # Past the put's lease: the read page is still there, the other one went on time.
+    assert pages.exists_pages([idle]) == [False] and pages.get_pages([idle]) == [None]
+    if pages.exists_pages([read]) == [True]:
+        return True
+    assert time.monotonic() >= last_read + ttl_s, "a page read within its ttl_s expired"
+    return False
+
+
 def test_bad_pages_are_rejected_and_change_nothing(cluster):
     with cluster.connect() as rt:
         pages = _remote(rt).pages()

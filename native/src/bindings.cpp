@@ -818,12 +818,13 @@ NB_MODULE(_native, m) {
             "free them.")
         .def(
             "lookup",
-            [](PyPageIndex& p, const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
+            [](PyPageIndex& p, const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys,
+               bool read) {
                 const auto native = page_keys(keys);
                 std::vector<std::optional<tc::Page>> found;
                 {
                     nb::gil_scoped_release release;
-                    found = p.index().lookup(native);
+                    found = p.index().lookup(native, read);
                 }
                 std::vector<std::optional<PyPage>> out;
                 out.reserve(found.size());
@@ -831,7 +832,8 @@ NB_MODULE(_native, m) {
                     out.push_back(page ? std::optional<PyPage>(to_py(*page)) : std::nullopt);
                 return out;
             },
-            nb::arg("keys"))
+            nb::arg("keys"), nb::arg("read") = false,
+            "read=True: the caller reads the pages found, which renews their leases.")
         .def(
             "home_pages",
             [](PyPageIndex& p, uint32_t shard, uint64_t max_token) {
@@ -902,15 +904,16 @@ NB_MODULE(_native, m) {
         .def(
             "lookup",
             [](const tc::DirectoryReader& r,
-               const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys) {
+               const std::vector<std::tuple<std::string, uint32_t, uint64_t>>& keys, bool read) {
                 nb::list out;
                 for (const auto& [key, shard, token] : keys)
-                    out.append(found_to_py(r.lookup(key, shard, token)));
+                    out.append(found_to_py(r.lookup(key, shard, token, read)));
                 return out;
             },
-            nb::arg("keys"),
+            nb::arg("keys"), nb::arg("read"),
             "Per (key, shard, token): (offset, size_bytes, dtype, shape, hash) of a live page, "
-            "or None (then ask the worker).");
+            "or None (then ask the worker). read=True when the caller copies the pages: that "
+            "renews their leases (an exists does not).");
 
     nb::class_<tc::PageClient>(m, "PageClient",
                                "A caller's end of a worker's page socket (see page_client.h). "

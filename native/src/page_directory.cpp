@@ -178,6 +178,13 @@ void PageDirectory::unpublish(int64_t slot) {
     write_locked(s, [](Slot& entry) { entry.state = kRemoved; });
 }
 
+void PageDirectory::set_expiry(int64_t slot, double expires_at) {
+    if (slot < 0) return;
+    const Header& header = *reinterpret_cast<const Header*>(base_);
+    Slot* s = reinterpret_cast<Slot*>(base_ + header.slots_offset) + slot;
+    write_locked(s, [&](Slot& entry) { entry.expires_at = expires_at; });
+}
+
 void PageDirectory::set_leases(const std::map<uint32_t, std::pair<uint64_t, double>>& held) {
     const Header& header = *reinterpret_cast<const Header*>(base_);
     ShardLease* leases = reinterpret_cast<ShardLease*>(base_ + header.shards_offset);
@@ -202,10 +209,12 @@ void PageDirectory::set_leases(const std::map<uint32_t, std::pair<uint64_t, doub
     }
 }
 
-bool PageDirectory::take_touched(int64_t slot) {
+bool PageDirectory::take_touched(int64_t slot, uint8_t bit) {
     if (slot < 0) return false;
     const Header& header = *reinterpret_cast<const Header*>(base_);
-    return __atomic_exchange_n(base_ + header.touch_offset + slot, uint8_t(0), __ATOMIC_RELAXED) != 0;
+    uint8_t* touched = base_ + header.touch_offset + slot;
+    if ((__atomic_load_n(touched, __ATOMIC_RELAXED) & bit) == 0) return false;
+    return (__atomic_fetch_and(touched, uint8_t(~bit), __ATOMIC_RELAXED) & bit) != 0;
 }
 
 DirectoryReader::DirectoryReader(int fd, uint64_t size_bytes) {
@@ -240,7 +249,7 @@ DirectoryReader::~DirectoryReader() {
 }
 
 std::optional<DirectoryReader::Hit> DirectoryReader::lookup(const std::string& key, uint32_t shard,
-                                                            uint64_t token) const {
+                                                            uint64_t token, bool read) const {
     const Header& header = *reinterpret_cast<const Header*>(entries_);
     const Slot* slots = reinterpret_cast<const Slot*>(entries_ + header.slots_offset);
     const XXH128_hash_t h = key_hash(key);
@@ -261,7 +270,10 @@ std::optional<DirectoryReader::Hit> DirectoryReader::lookup(const std::string& k
                 lease.token != token || lease.deadline <= now)
                 return std::nullopt;
         }
-        __atomic_store_n(touched_ + index, uint8_t(1), __ATOMIC_RELAXED);
+        // Written only when a bit is missing: a hot page's byte is not dirtied on every read.
+        const uint8_t bits = read ? kTouchUsed | kTouchRead : kTouchUsed;
+        if ((__atomic_load_n(touched_ + index, __ATOMIC_RELAXED) & bits) != bits)
+            __atomic_fetch_or(touched_ + index, bits, __ATOMIC_RELAXED);
         Hit hit;
         hit.offset = s.offset;
         hit.size_bytes = s.size_bytes;

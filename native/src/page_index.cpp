@@ -73,10 +73,12 @@ bool PageIndex::evict_one() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (lru_.empty()) return false;
     // Pages read through the directory never told the index: their touch gives them a second
-    // chance (bounded, so eviction never loops over a pool of hot pages).
+    // chance (bounded, so eviction never loops over a pool of hot pages). Eviction takes only
+    // the "used" bit: the "read" bit stays for expiry (live_locked), which a second chance
+    // here must not cost a page that is still being read.
     for (int chance = 0; directory_ && chance < 64; ++chance) {
         const Entry& lru = pages_.find(lru_.front())->second;
-        if (!directory_->take_touched(lru.slot)) break;
+        if (!directory_->take_touched(lru.slot, kTouchUsed)) break;
         lru_.splice(lru_.end(), lru_, lru.lru);
     }
     remove_locked(pages_.find(lru_.front()));
@@ -166,7 +168,7 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s,
         for (const auto& w : writes) {
             auto old = pages_.find(w.key);
             if (if_absent && old != pages_.end() && old->second.page.home &&
-                old->second.page.expires_at > now) {
+                live_locked(old->second, now)) {
                 unused.push_back(w.offset);
                 continue;
             }
@@ -175,6 +177,7 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s,
             static_cast<PageWrite&>(page) = w;
             if (!home) page.token = 0;
             page.expires_at = now + ttl_s;
+            page.ttl_s = ttl_s;
             page.home = home;
             lru_.push_back(w.key);
             const auto expiry = expiry_.emplace(page.expires_at, w.key);
@@ -190,7 +193,7 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s,
 
 // -- reading -----------------------------------------------------------------------------------
 
-std::vector<std::optional<Page>> PageIndex::lookup(const std::vector<PageKey>& keys) {
+std::vector<std::optional<Page>> PageIndex::lookup(const std::vector<PageKey>& keys, bool read) {
     if (keys.size() > kMaxPageBatch)
         throw StatusError("InvalidArgument", "batch of " + std::to_string(keys.size()) +
                                                  " keys, the limit is " +
@@ -201,15 +204,39 @@ std::vector<std::optional<Page>> PageIndex::lookup(const std::vector<PageKey>& k
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& k : keys) {
         auto it = pages_.find(k.key);
-        if (it == pages_.end() || it->second.page.expires_at <= now ||
-            (k.token != 0 && (!it->second.page.home || it->second.page.shard != k.shard))) {
+        if (it == pages_.end() ||
+            (k.token != 0 && (!it->second.page.home || it->second.page.shard != k.shard)) ||
+            !live_locked(it->second, now)) {
             found.emplace_back();
             continue;
         }
+        if (read) renew_locked(it->second, now);
         lru_.splice(lru_.end(), lru_, it->second.lru);
         found.emplace_back(it->second.page);
     }
     return found;
+}
+
+// Whether a page is live at `now`. One at its expiry that was read through the directory since
+// expiry last looked (such reads never reach the index) gets a new lease instead: every place
+// that finds a page expired (lookups, the sweep, if_absent, hand-off) asks here, so none of
+// them drops a page that another would have renewed. Only expiry takes the "read" bit.
+bool PageIndex::live_locked(Entry& entry, double now) {
+    if (entry.page.expires_at > now) return true;
+    if (!directory_ || !directory_->take_touched(entry.slot, kTouchRead)) return false;
+    renew_locked(entry, now);
+    return true;
+}
+
+// The page was read at `now`: its lease runs at least its ttl_s from now.
+void PageIndex::renew_locked(Entry& entry, double now) {
+    const double expires_at = now + entry.page.ttl_s;
+    if (expires_at <= entry.page.expires_at) return;
+    entry.page.expires_at = expires_at;
+    auto node = expiry_.extract(entry.expiry);
+    node.key() = expires_at;
+    entry.expiry = expiry_.insert(std::move(node));
+    if (directory_) directory_->set_expiry(entry.slot, expires_at);  // its readers follow
 }
 
 // -- leases ------------------------------------------------------------------------------------
@@ -260,9 +287,9 @@ std::vector<Page> PageIndex::home_pages(uint32_t shard, uint64_t max_token) {
     std::vector<Page> out;
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        for (const auto& [key, entry] : pages_) {
+        for (auto& [key, entry] : pages_) {
             const Page& p = entry.page;
-            if (p.home && p.shard == shard && p.token <= max_token && p.expires_at > now)
+            if (p.home && p.shard == shard && p.token <= max_token && live_locked(entry, now))
                 out.push_back(p);
         }
     }
@@ -291,7 +318,9 @@ size_t PageIndex::expire() {
     std::lock_guard<std::mutex> lock(mutex_);
     size_t expired = 0;
     while (!expiry_.empty() && expiry_.begin()->first <= now) {
-        remove_locked(pages_.find(expiry_.begin()->second));
+        auto it = pages_.find(expiry_.begin()->second);
+        if (live_locked(it->second, now)) continue;  // renewed: its entry moved past `now`
+        remove_locked(it);
         ++expired;
     }
     return expired;

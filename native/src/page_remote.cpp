@@ -243,7 +243,7 @@ void RemotePageService::read(Connection& c, const std::vector<uint8_t>& body) {
     const auto keys = page_wire::read_keys(in);
     c.keep = true;
     index_->check_leases(named_leases(keys));
-    auto found = index_->lookup(keys);
+    auto found = index_->lookup(keys, /*read=*/true);  // renews each page it sends
     Writer meta;
     meta.number(uint32_t(found.size()));
     std::vector<iovec> iov;

@@ -283,7 +283,7 @@ void PageServer::Impl::handle(Connection& c, uint8_t op, const std::vector<uint8
         case kExists: {
             const auto keys = read_keys(in);
             index->check_leases(named_leases(keys));
-            const auto found = index->lookup(keys);
+            const auto found = index->lookup(keys, /*read=*/op == kGet);  // a GET renews
             out.number(uint32_t(found.size()));
             for (const auto& page : found) {
                 out.number(uint8_t(page.has_value()));

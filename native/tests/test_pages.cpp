@@ -1,6 +1,7 @@
 // Plain C++ checks of the arena allocator and the KV page index; exits non-zero on any failure.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -59,6 +60,22 @@ void test_arena_aligns_coalesces_and_reports_exhaustion() {
     const auto blocks = arena.free_blocks();
     CHECK(blocks.size() == 1 && blocks[0].first == 0 && blocks[0].second == 16 * 4096);
     CHECK(error_kind([] { tc::ArenaAllocator bad(4095); }) == "InvalidArgument");
+}
+
+// Waits until the monotonic clock reaches `t`.
+void sleep_until(double t) {
+    for (double now = tc::monotonic_s(); now < t; now = tc::monotonic_s())
+        usleep(useconds_t(std::min(t - now, 0.05) * 1e6) + 1);
+}
+
+// Runs `attempt(ttl_s)` with ttl_s = 1, 2, 4, ... until one is conclusive (it returns false when
+// the scheduler delayed it past a window it measured: that proves nothing either way, so lease
+// tests never fail by timing under load, nor pass without having checked).
+template <typename Attempt>
+void with_growing_ttl(Attempt&& attempt) {
+    for (double ttl_s = 1; ttl_s <= 16; ttl_s *= 2)
+        if (attempt(ttl_s)) return;
+    CHECK(!"no attempt ran within its window, even with a 16 s ttl");
 }
 
 struct Fixture {
@@ -270,6 +287,83 @@ void test_directory_mirrors_the_index() {
     CHECK(seen >= 1000);  // false only if the reader never ran within the deadline
 }
 
+// A read renews a page's lease for the ttl_s it was put with; a lookup alone (an exists) does
+// not, nor does anything else: such pages expire on time, and so does a read page one ttl_s
+// after its last read.
+bool reads_renew_leases(double ttl) {
+    Fixture f;
+    const double put = tc::monotonic_s();
+    f.index.commit({f.write("read", 4096, 1), f.write("looked", 4096, 2), f.write("idle", 4096, 3)},
+                   ttl, kCached);
+    const double committed = tc::monotonic_s();
+    sleep_until(put + ttl / 2);
+    const double read_at = tc::monotonic_s();
+    const bool read = f.index.lookup({{"read", 0, 0}}, /*read=*/true)[0] &&
+                      f.index.lookup({{"looked", 0, 0}})[0];
+    const double read_done = tc::monotonic_s();
+    sleep_until(committed + ttl * 1.25);  // past every original expiry
+    const auto after = f.index.lookup({{"read", 0, 0}, {"looked", 0, 0}, {"idle", 0, 0}});
+    const size_t expired = f.index.expire();
+    const double checked = tc::monotonic_s();
+    CHECK(!after[1] && !after[2]);  // not read: gone on time, whatever the timing
+    // Conclusive when the read came before the original expiry (>= put + ttl) and the checks
+    // before the renewed one (>= read_at + ttl).
+    if (read_done >= put + ttl || checked >= read_at + ttl) return false;
+    CHECK(read && after[0]);
+    CHECK(expired == 2 && f.index.stats().pages == 1);
+    sleep_until(read_done + ttl * 1.25);  // the renewed lease ends too
+    CHECK(!f.index.lookup({{"read", 0, 0}})[0]);
+    CHECK(f.index.expire() == 1 && f.index.stats().pages == 0);
+    return true;
+}
+
+// Reads through the directory never reach the index: the slot's "read" mark renews a page that
+// reaches its expiry (found by the sweep or by a lookup) instead of dropping it, and the
+// renewed expiry is shown to directory readers. An exists through the directory renews
+// nothing. Eviction's second chance takes only the "used" mark: it does not cost a page that
+// is being read its renewal.
+bool directory_reads_renew_leases(double ttl) {
+    Fixture f;
+    auto directory = std::make_shared<tc::PageDirectory>(1);
+    f.index.attach_directory(directory);
+    const tc::DirectoryReader reader(directory->fd(), directory->size_bytes());
+    std::vector<tc::PageWrite> pages;
+    for (const char* key : {"swept", "lazy", "exists", "idle", "victim"})
+        pages.push_back(f.write(key, 4096, uint8_t(pages.size())));
+    std::rotate(pages.begin() + 1, pages.end() - 1, pages.end());  // LRU: swept, victim, ...
+    const double put = tc::monotonic_s();
+    f.index.commit(pages, ttl, kCached);
+    const double committed = tc::monotonic_s();
+    const bool read = reader.lookup("swept", 0, 0, /*read=*/true) &&
+                      reader.lookup("lazy", 0, 0, /*read=*/true) &&
+                      reader.lookup("exists", 0, 0, /*read=*/false);
+    // Room for 60 pages evicts one: "swept" gets its second chance, "victim" (the last region)
+    // goes.
+    f.index.free(f.index.allocate({60 * 4096}, true));
+    const bool evicted = !f.index.lookup({{"victim", 0, 0}})[0];
+    const double read_done = tc::monotonic_s();
+
+    sleep_until(committed + ttl * 1.25);  // past every original expiry
+    const double lazy_at = tc::monotonic_s();
+    const bool lazy = bool(f.index.lookup({{"lazy", 0, 0}})[0]);  // renewed by this lookup
+    const size_t expired = f.index.expire();  // renews "swept"; "exists" and "idle" go
+    const bool shown = bool(reader.lookup("swept", 0, 0));  // not a read: no mark for expiry
+    const double swept_done = tc::monotonic_s();
+    CHECK(!f.index.lookup({{"exists", 0, 0}})[0] && !f.index.lookup({{"idle", 0, 0}})[0]);
+    if (read_done >= put + ttl || swept_done >= lazy_at + ttl) return false;
+    CHECK(read && evicted && lazy && shown && expired == 2 && f.index.stats().pages == 2);
+
+    sleep_until(swept_done + ttl * 1.25);  // the marks were taken: no read since, so both go
+    CHECK(f.index.expire() == 2 && f.index.stats().pages == 0);
+    CHECK(!reader.lookup("swept", 0, 0));
+    return true;
+}
+
+void test_reads_renew_leases() {
+    with_growing_ttl(reads_renew_leases);
+    with_growing_ttl(directory_reads_renew_leases);
+}
+
 }  // namespace
 
 int main() {
@@ -278,6 +372,7 @@ int main() {
     test_replacing_if_absent_lru_eviction_and_expiry();
     test_leases_exact_match_then_fallback();
     test_directory_mirrors_the_index();
+    test_reads_renew_leases();
     if (failures) std::fprintf(stderr, "%d check(s) failed\n", failures);
     return failures ? 1 : 0;
 }

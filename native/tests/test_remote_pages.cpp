@@ -5,8 +5,11 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -19,6 +22,7 @@
 #include "tensorcast/arena.h"
 #include "tensorcast/errors.h"
 #include "tensorcast/hash.h"
+#include "tensorcast/page_client.h"
 #include "tensorcast/page_index.h"
 #include "tensorcast/page_remote.h"
 #include "tensorcast/page_server.h"
@@ -615,6 +619,66 @@ void test_puts_in_flight_hold_at_most_half_the_pool() {
     CHECK(!tc::remote_put({page("more", more)}, {a.home({0})}, 60, false, options()).errors[0]);
 }
 
+// Waits until the monotonic clock reaches `t`.
+void sleep_until(double t) {
+    for (double now = tc::monotonic_s(); now < t; now = tc::monotonic_s())
+        usleep(useconds_t(std::min(t - now, 0.05) * 1e6) + 1);
+}
+
+int connect_unix(const std::string& address) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, address.data(), address.size());
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const socklen_t size = socklen_t(offsetof(sockaddr_un, sun_path) + address.size());
+    CHECK(fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), size) == 0);
+    return fd;
+}
+
+// A READ from another host and a GET on the same-host page socket renew the lease of the page
+// they return (its ttl_s again from the read); an EXISTS on either does not. Timing is checked,
+// not assumed: an attempt the scheduler delayed past a window it measured proves nothing and
+// runs again with a longer ttl (as in test_pages.cpp).
+bool reads_renew_leases(double ttl) {
+    Home h;
+    const std::string address =
+        std::string(1, '\0') + "tc-test-renew-" + std::to_string(::getpid());
+    tc::PageServer local(address, h.index, kToken, h.memory.size());
+    tc::PageClient client(connect_unix(address), 20000);
+    client.hello(kToken);
+    const auto data = random_bytes(4096, 7);
+    std::vector<tc::RemotePagePut> puts;
+    for (const char* key : {"read", "get", "exists", "idle"}) puts.push_back(page(key, data));
+    const double put = tc::monotonic_s();
+    CHECK(!tc::remote_put(puts, {h.home({0, 1, 2, 3})}, ttl, false, options()).errors[0]);
+    const double committed = tc::monotonic_s();
+    sleep_until(put + ttl / 2);
+    const double read_at = tc::monotonic_s();
+    Buffers into(1, 4096);
+    const std::vector<tc::PageKey> exists{{"exists", 0, 1}};
+    const bool read =
+        tc::remote_get({{"read", 0, 1}}, {h.home({0})}, into.sink(), options()).pages[0] &&
+        client.get({{"get", 0, 1}})[0] && client.exists(exists)[0] &&
+        tc::remote_exists(exists, {h.home({0})}, options()).found[0];
+    const double read_done = tc::monotonic_s();
+    sleep_until(committed + ttl * 1.25);  // past every original expiry
+    const std::vector<tc::PageKey> all{{"read", 0, 1}, {"get", 0, 1}, {"exists", 0, 1}, {"idle", 0, 1}};
+    const auto after = tc::remote_exists(all, {h.home({0, 1, 2, 3})}, options());
+    const double checked = tc::monotonic_s();
+    CHECK(!after.errors[0] && !after.found[2] && !after.found[3]);  // not read: gone on time
+    // Conclusive when the reads came before the original expiry (>= put + ttl) and the check
+    // before the renewed one (>= read_at + ttl).
+    if (read_done >= put + ttl || checked >= read_at + ttl) return false;
+    CHECK(read && after.found[0] && after.found[1]);
+    return true;
+}
+
+void test_reads_renew_leases() {
+    for (double ttl_s = 1; ttl_s <= 16; ttl_s *= 2)
+        if (reads_renew_leases(ttl_s)) return;
+    CHECK(!"no attempt ran within its window, even with a 16 s ttl");
+}
+
 }  // namespace
 
 int main() {
@@ -629,6 +693,7 @@ int main() {
     test_puts_are_fenced_before_and_after_their_bytes();
     test_only_hello_is_read_before_authentication();
     test_puts_in_flight_hold_at_most_half_the_pool();
+    test_reads_renew_leases();
     if (failures) std::fprintf(stderr, "%d checks failed\n", failures);
     return failures ? 1 : 0;
 }

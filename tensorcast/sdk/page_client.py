@@ -84,11 +84,12 @@ class PageConnection:
         return {int(n): list(v) for n, v in self.client.spare().items()}
 
     def get(self, wanted: Sequence[Wanted]) -> list[Found | None]:
-        """Where each page lies in the pool, or None."""
+        """Where each page lies in the pool, or None. The caller reads the pages found: that
+        renews their leases (through the directory, when they reach their expiry)."""
         directory = self._live_directory()
         if directory is None:
             return list(self.client.get(wanted))
-        out: list[Found | None] = directory.lookup(wanted)
+        out: list[Found | None] = directory.lookup(wanted, read=True)
         missing = [i for i, hit in enumerate(out) if hit is None]
         if missing:
             for i, found in zip(missing, self.client.get([wanted[i] for i in missing])):
@@ -99,7 +100,7 @@ class PageConnection:
         directory = self._live_directory()
         if directory is None:
             return list(self.client.exists(wanted))
-        out = [hit is not None for hit in directory.lookup(wanted)]
+        out = [hit is not None for hit in directory.lookup(wanted, read=False)]
         missing = [i for i, hit in enumerate(out) if not hit]
         if missing:
             for i, found in zip(missing, self.client.exists([wanted[i] for i in missing])):

@@ -277,7 +277,8 @@ class Pages:
     # -- the batch API -------------------------------------------------------------------------
 
     def put_pages(self, pages: Mapping[str, PageValue], ttl_s: float = 600.0) -> list[PageRef]:
-        """Store pages under their keys for `ttl_s` (a page put again is replaced)."""
+        """Store pages under their keys for `ttl_s` (a page put again is replaced). Each read
+        (`get_pages`) renews a page's lease for its `ttl_s` again; `exists_pages` does not."""
         keys = list(pages)
         encoded = [_encode(pages[k]) for k in keys]
         refs: list[PageRef | None] = [None] * len(keys)

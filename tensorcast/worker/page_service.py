@@ -70,15 +70,16 @@ class PageService:
             [(_write(p, len(p.data)), p.data) for p in pages], ttl_s, home=True, if_absent=if_absent
         )
 
-    def lookup(self, keys: list[tuple[str, int, int]]) -> list[Page | None]:
+    def lookup(self, keys: list[tuple[str, int, int]], read: bool = False) -> list[Page | None]:
         self._check({(shard, token) for _, shard, token in keys if token})
-        return self.store.lookup(keys)
+        return self.store.lookup(keys, read)
 
     def get(self, keys: list[tuple[str, int, int]]) -> list[pb.Page]:
-        """Pages for a prefix of `keys` whose data fits in one gRPC reply (at least one)."""
+        """Pages for a prefix of `keys` whose data fits in one gRPC reply (at least one); a
+        read renews each page's lease."""
         found: list[pb.Page] = []
         size = 0
-        for page in self.lookup(keys):
+        for page in self.lookup(keys, read=True):
             if page is None:
                 found.append(pb.Page())
                 continue

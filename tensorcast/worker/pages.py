@@ -147,10 +147,11 @@ class PageStore:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def lookup(self, keys: list[tuple[str, int, int]]) -> list[Page | None]:
+    def lookup(self, keys: list[tuple[str, int, int]], read: bool = False) -> list[Page | None]:
         """Pages by (key, shard, token): token 0 accepts a cached copy, otherwise the page must
-        be homed here under that shard (the caller checked the token against the lease)."""
-        return [None if p is None else _page(p) for p in self.index.lookup(keys)]
+        be homed here under that shard (the caller checked the token against the lease).
+        `read`: the caller reads the pages found, which renews their leases."""
+        return [None if p is None else _page(p) for p in self.index.lookup(keys, read)]
 
     def read(self, page: Page) -> bytes:
         data = bytes(self.pool.region(page.offset, page.size_bytes))

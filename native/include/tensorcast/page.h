@@ -26,6 +26,7 @@ struct PageWrite : PageMeta {
 
 struct Page : PageWrite {
     double expires_at = 0;  // monotonic seconds
+    double ttl_s = 0;       // the lease it was put with: a read renews it for as long again
     bool home = false;
 };
 

@@ -7,8 +7,10 @@
 // shard beyond kDirectoryShards) or a lease it does not show is looked up over the page socket
 // as before. Readers copy page bytes out of the pool and check their hash, as on every read,
 // so a region evicted and reused meanwhile is detected. Readers map the entries read-only; the
-// one thing they write is a "touched" byte per slot, which the worker's LRU eviction reads as
-// a second chance (reads that never reach the worker still count as uses).
+// one thing they write is a "touched" byte per slot, so that uses that never reach the worker
+// still count: every lookup sets kTouchUsed, which LRU eviction takes as a second chance; a
+// lookup for a read (not an exists) also sets kTouchRead, which expiry takes as a reason to
+// renew the page's lease. Each has its own consumer, so neither takes the other's signal.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +29,9 @@ constexpr uint32_t kDirectoryProbes = 16;     // slots an insert or a lookup loo
 constexpr size_t kDirectoryMaxDims = 6;
 constexpr uint32_t kDirectoryShards = 4096;   // leases published for shards below this
 constexpr size_t kDirectoryDtypeBytes = 8;    // dtype names up to 7 characters
+// Bits of a slot's touched byte (a reader of an earlier version stores kTouchUsed alone).
+constexpr uint8_t kTouchUsed = 1;  // looked up since LRU eviction last looked
+constexpr uint8_t kTouchRead = 2;  // read since expiry last looked
 
 // The worker's side: owns the shared memory (a memfd handed to callers).
 class PageDirectory {
@@ -45,10 +50,12 @@ public:
     // serves it).
     int64_t publish(const Page& page);
     void unpublish(int64_t slot);
+    void set_expiry(int64_t slot, double expires_at);  // a renewed lease
     // shard -> (token, monotonic deadline), as the worker's lease table holds them.
     void set_leases(const std::map<uint32_t, std::pair<uint64_t, double>>& held);
-    // Whether a reader used the slot since the last call (and forget that it did).
-    bool take_touched(int64_t slot);
+    // Whether a reader set `bit` (kTouchUsed or kTouchRead) on the slot since the last call
+    // for that bit (and forget that it did; the other bit stays).
+    bool take_touched(int64_t slot, uint8_t bit);
 
 private:
     int fd_ = -1;
@@ -74,8 +81,10 @@ public:
     DirectoryReader& operator=(const DirectoryReader&) = delete;
 
     // A live page under key (token 0: any copy; else homed here under shard with that lease
-    // held now), or nothing: then ask the worker.
-    std::optional<Hit> lookup(const std::string& key, uint32_t shard, uint64_t token) const;
+    // held now), or nothing: then ask the worker. `read`: the caller copies the page (this
+    // renews its lease when it reaches its expiry); an exists is not a read.
+    std::optional<Hit> lookup(const std::string& key, uint32_t shard, uint64_t token,
+                              bool read = false) const;
 
 private:
     uint8_t* entries_ = nullptr;  // read-only

@@ -3,9 +3,10 @@
 // prefetch) and by the native page server for same-host callers, which never takes the GIL.
 //
 // A shard home holds the pages of the shards it leases (home = true); any worker may keep
-// copies of pages homed elsewhere (home = false, token 0). Pages expire after their TTL and are
-// evicted least recently used when the pool is full. Readers copy straight out of the pool and
-// check the page hash, so a region evicted and reused during a copy is detected.
+// copies of pages homed elsewhere (home = false, token 0). Pages expire after their TTL unless
+// read (a read renews the lease for the TTL it was put with) and are evicted least recently
+// used when the pool is full. Readers copy straight out of the pool and check the page hash,
+// so a region evicted and reused during a copy is detected.
 #pragma once
 
 #include <cstdint>
@@ -75,7 +76,9 @@ public:
     void commit(const std::vector<PageWrite>& writes, double ttl_s, CommitOptions options);
 
     // -- reading --
-    std::vector<std::optional<Page>> lookup(const std::vector<PageKey>& keys);
+    // The live pages under `keys`. `read`: the caller copies them, so each one's lease runs
+    // at least its ttl_s from now; a lookup alone (an exists) renews nothing.
+    std::vector<std::optional<Page>> lookup(const std::vector<PageKey>& keys, bool read = false);
     uint8_t* base() const { return base_; }
     // Mirror the index (and the leases) into `directory` from now on, for same-host readers.
     // Call before the first page is committed.
@@ -104,6 +107,8 @@ private:
     uint64_t allocate_one(uint64_t size, bool evict);
     bool fits_after_eviction(uint64_t size);
     bool evict_one();
+    bool live_locked(Entry& entry, double now);
+    void renew_locked(Entry& entry, double now);
     void remove_locked(std::unordered_map<std::string, Entry>::iterator it);
 
     uint8_t* const base_;

@@ -6,7 +6,8 @@
 //
 //   READ 7: as GET (u32 n, n x (str key, u32 shard, u64 token))
 //           -> u32 n, n x (u8 found [, u64 size, str dtype, shape, str hash]), then the found
-//              pages' bytes back to back (not counted in the header's body size)
+//              pages' bytes back to back (not counted in the header's body size); renews
+//              the lease of each page found, as a GET does
 //   PUT  8: f64 ttl_s, u8 flags (1: if absent), u32 n, n x (str key, u32 shard, u64 token,
 //           str dtype, shape, u64 size, str hash), then the pages' bytes back to back
 //           -> empty body

@@ -13,7 +13,8 @@
 //                     str hash                           -> u32 k, k x u64 reserved offset
 //   GET    4: u32 n, n x (str key, u32 shard, u64 token) -> u32 n, n x (u8 found [, u64 offset,
 //                                                         u64 size, str dtype, shape, str hash])
-//   EXISTS 5: as GET                                     -> u32 n, n x u8
+//             each page found is read: its lease runs at least its ttl_s from now
+//   EXISTS 5: as GET                                     -> u32 n, n x u8 (renews nothing)
 //   WAKE   6: empty body                                 -> no reply (the caller is about to
 //             send a request: the connection's thread wakes up meanwhile)
 // An error reply's body is str kind (a tensorcast.errors class name) + u32 length + message.

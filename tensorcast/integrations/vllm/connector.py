@@ -7,9 +7,10 @@ Each full KV block becomes one page per attention layer (and tensor-parallel ran
 model, the KV layout and the hash chain of the token prefix (`keys.py`), so engines running the
 same model find each other's blocks and different models never collide. Extra config (all
 optional): `addr`, `token`, `state_dir` (as `tc.connect()`), `ttl_s` (page lease, default
-3600), `model_key` (override the model's identity), `load` / `save` (false turns a direction
-off), `load_failure` ("recompute", the default, or "fail"), `describe_to` (a file where the
-scheduler side writes what names this engine's pages: `describe()`).
+3600; each load renews it, so a prefix in use stays), `model_key` (override the model's
+identity), `load` / `save` (false turns a direction off), `load_failure` ("recompute", the
+default, or "fail"), `describe_to` (a file where the scheduler side writes what names this
+engine's pages: `describe()`).
 
 Scheduler side: `get_num_new_matched_tokens` computes the prefix's chain and asks the shard
 homes which pages exist (`exists_pages`: no Global Store on the path; a home on this host answers
