@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Cluster, wait_until
+from test_router_sim import start_sim_instance
 
 import tensorcast as tc
 
@@ -86,6 +87,34 @@ def test_store_killed_then_tc_up_brings_it_back_where_the_survivors_look(cluster
     status = _tc(c, "status")
     assert status["healthy"]
     assert sorted(x["name"] for x in status["components"]) == ["store", "worker-1", "worker-2"]
+
+
+def test_an_instance_follows_its_worker_restarted_by_tc_up(cluster_dir):
+    """A worker killed and restarted by `tc up` listens at a new address (and id); the engine
+    attached to it finds it again by name instead of retrying the dead address for ever."""
+    c = cluster_dir
+    first = _tc(c, "up", "--workers", "1", "--mem", "64MiB")
+    proc, _ = start_sim_instance(c, "sim-r", "worker-1")
+    try:
+        with c.connect() as rt:
+            old = rt.resolve_worker("worker-1")
+            wait_until(lambda: [i.alive for i in rt.instances()] == [True], 30)
+        os.kill(_pids(first)["worker-1"], signal.SIGKILL)
+        wait_until(lambda: not _alive(_pids(first)["worker-1"]), 30)
+        new_pid = _pids(_tc(c, "up"))["worker-1"]
+        with c.connect() as rt:
+
+            def attached_to_the_new_worker() -> bool:
+                live = {w.worker_id for w in rt.workers() if w.alive and w.pid == new_pid}
+                return [(i.instance_id, i.alive, i.worker_id in live) for i in rt.instances()] == [
+                    ("sim-r", True, True)
+                ]
+
+            wait_until(attached_to_the_new_worker, 30)
+            assert rt.resolve_worker("worker-1").addr != old.addr
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_planned_restart_with_a_disk_tier_keeps_every_artifact(cluster_dir, tmp_path):

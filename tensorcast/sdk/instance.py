@@ -29,6 +29,7 @@ from tensorcast.adaptors import KVExport, check_part
 from tensorcast.buffer_pool import BufferPool
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.sdk.pages import PageRef
+from tensorcast.worker.instances import ATTACHED_OP
 
 if TYPE_CHECKING:
     from tensorcast.adaptors import InstanceAdaptor
@@ -110,12 +111,25 @@ class InstanceRuntime:
                 backoff = 0.1
             except errors.TensorcastError as e:
                 log.warning("attach stream to %s broke: %s", self.worker.name, e)
+                self._find_worker()
             finally:
                 outgoing.put(None)
             self._attached.clear()
             if self._closed.wait(backoff):
                 return
             backoff = min(RECONNECT_MAX_S, backoff * 2)
+
+    def _find_worker(self) -> None:
+        """The worker's current address: restarted under its name (`tc up`), it listens on
+        another port, and maybe under another id."""
+        try:
+            found = self.rt.resolve_worker(self.worker.name)
+        except errors.TensorcastError as e:
+            log.info("worker %s not found again yet: %s", self.worker.name, e)
+            return
+        if found.addr != self.worker.addr:
+            log.info("worker %s is now at %s", found.name, found.addr)
+        self.worker = found
 
     def _serve(self, outgoing: queue.Queue) -> None:
         def messages():
@@ -135,9 +149,11 @@ class InstanceRuntime:
         stub = self.rt.worker_stub(self.worker)
         # The stream lives as long as the instance: no deadline on it, only on each operation.
         commands = stub.stream("Attach", messages(), timeout_s=365 * 24 * 3600.0)
-        self._attached.set()
-        log.info("instance %s attached to worker %s", self.instance_id, self.worker.name)
         for command in commands:
+            if command.op == ATTACHED_OP:
+                self._attached.set()
+                log.info("instance %s attached to worker %s", self.instance_id, self.worker.name)
+                continue
             self._ops.submit(self._handle, command, outgoing)
             if self._closed.is_set():
                 return

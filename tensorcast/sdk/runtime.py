@@ -589,12 +589,14 @@ class Runtime:
             return list(pool.map(lambda a: a.prefetch(target, timeout_s=timeout_s), arts))
 
     def resolve_worker(self, name_or_id: str) -> WorkerInfo:
-        """A live worker by name (worker-1) or id."""
-        for w in self.workers():
-            if name_or_id in (w.name, w.worker_id):
-                if not w.alive:
-                    raise Unavailable(f"worker {name_or_id!r} is dead (missed heartbeats)")
+        """A live worker by name (worker-1) or id. A name restarted stays listed dead (under
+        its old id) for a while beside the live one: the live one is meant."""
+        matches = [w for w in self.workers() if name_or_id in (w.name, w.worker_id)]
+        for w in matches:
+            if w.alive:
                 return w
+        if matches:
+            raise Unavailable(f"worker {name_or_id!r} is dead (missed heartbeats)")
         raise NotFound(f"no worker {name_or_id!r} (see `tc status`)")
 
     def stream_write(

@@ -23,6 +23,9 @@ from tensorcast.types import InstanceInfo
 log = logging.getLogger("tensorcast.worker.instances")
 
 MAX_ATTACHED = 64
+# The first command down a stream: the worker took the instance's hello (a stream call only
+# connects when read, so until then the instance cannot tell a live worker from a dead address).
+ATTACHED_OP = "attached"
 MAX_QUEUED_COMMANDS = 64
 POLL_S = 0.5
 
@@ -127,6 +130,7 @@ class Instances:
         reader.start()
         self.on_change()
         try:
+            yield pb.InstanceCommand(op=ATTACHED_OP)  # the instance knows it is attached
             while not session.closed.is_set() and is_active():
                 try:
                     yield session.commands.get(timeout=POLL_S)
