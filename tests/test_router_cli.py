@@ -87,7 +87,15 @@ def test_rebalance_dry_run_then_move(cluster, sims):
     assert record["decision"]["req_id"] == "victim"
     assert (record["decision"]["source"], record["decision"]["target"]) == ("sim-a", "sim-b")
     tokens = sessions_on(endpoints["sim-a"])["victim"]["tokens"]
-    assert record["idempotency_key"] == f"rebalance/victim/sim-a->sim-b/0/{tokens}"
+    run, key = record["idempotency_key"].split("/", 2)[1:]
+    assert key == f"victim/sim-a->sim-b/0/{tokens}" and len(run) == 8
+    # Another run never shares a key with this one: plan results are kept for a day, and the
+    # same request id at the same point later (a workload run again) must not replay this.
+    again = json.loads(cluster.tc("rebalance", "--dry-run", "--json", check=True).stdout)
+    assert {k: again["decision"][k] for k in ("req_id", "source", "target")} == {
+        k: record["decision"][k] for k in ("req_id", "source", "target")
+    }
+    assert again["idempotency_key"] != record["idempotency_key"]
     assert record["migration"] is None
     assert "victim" in sessions_on(endpoints["sim-a"])  # dry run: nothing moved
 
@@ -115,6 +123,72 @@ def test_rebalance_dry_run_then_move(cluster, sims):
     proc = cluster.tc("rebalance", "--every", "0.01", "--ticks", "2", "--dry-run", "--json")
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0 and [r["tick"] for r in lines] == [1, 2]
+
+
+def test_a_failed_migration_leaves_its_request_out_until_it_changes(cluster, sims, monkeypatch):
+    """A migration that keeps failing (here: the target full) must not win every tick and
+    block every other request; `tc rebalance --every` exits non-zero when one failed."""
+    from typer.testing import CliRunner
+
+    import tensorcast.sdk.migrate as migrate_module
+    from tensorcast.cli.main import app
+    from tensorcast.router.rebalance import Rebalancer
+
+    endpoints, _ = sims
+    turn(endpoints["sim-a"], "x-big", context(91, 900))
+    turn(endpoints["sim-a"], "x-small", context(92, 10))
+    tried: list[str] = []
+
+    def target_full(rt, req_id, *args, **kwargs):
+        tried.append(req_id)
+        raise errors.ResourceExhausted("the target's pool is full")
+
+    params = RebalanceParams(theta_abs=2.0, theta_rel=1.5)
+    with cluster.connect() as rt:
+        rebalancer = Rebalancer(rt, params, only=["sim-a", "sim-b"], migrate=target_full)
+        first = rebalancer.tick()
+        second = rebalancer.tick()
+    assert first["decision"]["req_id"] == "x-big"
+    assert first["migration"]["error"]["kind"] == "ResourceExhausted"
+    assert second["decision"] is not None and second["decision"]["req_id"] != "x-big"
+    assert tried.count("x-big") == 1 and rebalancer.failed == 2
+
+    monkeypatch.setattr(migrate_module, "migrate", target_full)
+    args = ["rebalance", "--every", "0.01", "--ticks", "2", "--state-dir", str(cluster.state_dir)]
+    result = CliRunner().invoke(app, [*args, "--instance", "sim-a", "--instance", "sim-b"])
+    assert result.exit_code == 1 and "migration(s) failed" in result.output
+    assert "x-small" in sessions_on(endpoints["sim-a"])  # nothing moved
+
+
+def test_router_leaves_a_session_whose_migration_failed_out_until_its_next_turn(
+    cluster, sims, router, monkeypatch
+):
+    import tensorcast.sdk.migrate as migrate_module
+
+    """Any failure, not only a source without KV (the NotFound test above): here the target
+    is full. The session is no candidate until a turn changes it."""
+    r, addr = router(policy="rebalance", instances=("sim-a", "sim-b"))
+    ids = context(93, 200)
+    where, first = routed(addr, "y-93", ids)
+    assert where == "sim-a"
+    tried: list[str] = []
+
+    def target_full(rt, session, *args, **kwargs):
+        tried.append(session)
+        raise errors.ResourceExhausted("the target's pool is full")
+
+    monkeypatch.setattr(migrate_module, "migrate", target_full)
+    no_turn_in_flight(r)
+    assert r.tick_once()["decision"]["req_id"] == "y-93"
+    wait_until(lambda: r.state()["migrations"], 60)
+    assert "ResourceExhausted" in r.state()["migrations"][0]["error"]
+    again = r.tick_once()
+    assert again["decision"] is None and "no eligible request" in again["reason"]
+    routed(addr, "y-93", ids + first["output_ids"] + [5] * 10)
+    no_turn_in_flight(r)
+    assert r.tick_once()["decision"]["req_id"] == "y-93"  # changed: a candidate again
+    wait_until(lambda: len(r.state()["migrations"]) == 2, 60)
+    assert tried == ["y-93", "y-93"]
 
 
 def test_rebalance_bad_input(cluster, sims):

@@ -55,7 +55,11 @@ def command(
         float, typer.Option("--penalty", help="lambda: score divisor per past migration.")
     ] = 1.0,
     key_prefix: Annotated[
-        str, typer.Option("--key-prefix", help="Prefix of each decision's idempotency key.")
+        str,
+        typer.Option(
+            "--key-prefix",
+            help="Prefix of each decision's idempotency key (a random id of this run follows).",
+        ),
     ] = "rebalance",
     deadline: DeadlineOpt = 30.0,
     state_dir: StateDirOpt = None,
@@ -94,8 +98,9 @@ def command(
                     break
             except KeyboardInterrupt:
                 break
-    migration = record.get("migration")
-    if migration and migration.get("status") == "failed" and every <= 0:
+    if rebalancer.failed:
+        if every > 0:
+            print(f"error: {rebalancer.failed} migration(s) failed", file=sys.stderr)
         raise typer.Exit(1)
 
 

@@ -15,6 +15,7 @@ step runs only after hydrate succeeded on the target.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,7 +101,14 @@ MigrateFn = Callable[..., dict]
 
 
 class Rebalancer:
-    """Algorithm 1 ticks against a cluster; `loads` carries the EWMA state between ticks."""
+    """Algorithm 1 ticks against a cluster; `loads` carries the EWMA state between ticks.
+
+    Decision keys start with `key_prefix` and a random id of this rebalancer: plan results are
+    kept for a day, and a request id reused later (a seeded workload run again, an engine
+    restarted under its id) at the same point would otherwise replay an old "ok" and move
+    nothing. A request whose migration failed is left out until it changes (its next turn
+    adds tokens): a failure that repeats would win every tick and block every other request.
+    """
 
     def __init__(
         self,
@@ -115,10 +123,12 @@ class Rebalancer:
         self.rt = rt
         self.params = params or RebalanceParams()
         self.only = list(only)
-        self.key_prefix = key_prefix
+        self.key_prefix = f"{key_prefix}/{uuid.uuid4().hex[:8]}"
         self.deadline_ms = deadline_ms
         self.loads: dict[str, float] = {}
         self.ticks = 0
+        self.failed = 0  # migrations that failed
+        self._left_out: dict[tuple[str, str], int] = {}  # (instance, request) -> its tokens
         if migrate is None:
             from tensorcast.sdk.migrate import migrate as sdk_migrate
 
@@ -128,7 +138,13 @@ class Rebalancer:
     def tick(self, dry_run: bool = False) -> dict[str, Any]:
         """Observe, decide and (unless `dry_run`) migrate; returns the tick's JSON record."""
         obs = observe(self.rt, self.only)
-        result: TickResult = tick(self.loads, obs.samples, obs.requests, obs.now, self.params)
+        self._left_out = {
+            (r.instance_id, r.req_id): r.tokens
+            for r in obs.requests
+            if self._left_out.get((r.instance_id, r.req_id)) == r.tokens
+        }
+        candidates = [r for r in obs.requests if (r.instance_id, r.req_id) not in self._left_out]
+        result: TickResult = tick(self.loads, obs.samples, candidates, obs.now, self.params)
         self.loads = result.loads
         self.ticks += 1
         record: dict[str, Any] = {
@@ -175,6 +191,8 @@ class Rebalancer:
                 status="failed",
                 error={"kind": errors.public_name(e), "message": str(e)},
             )
+            self.failed += 1
+            self._left_out[(decision.source, decision.req_id)] = request.tokens
         return record
 
 

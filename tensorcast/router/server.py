@@ -99,9 +99,9 @@ class _Session:
     inflight: int = 0
     migrating: bool = False
     keys: list[bytes] = field(default_factory=list)
-    # Its last migration found no KV on the source (the engine evicted it): not a candidate
-    # until its next turn makes some, so one such session cannot win every tick.
-    nothing_to_move: bool = False
+    # Its last migration failed (no KV on the source, a full target, ...): not a candidate
+    # until its next turn, so one such session cannot win every tick and block the others.
+    left_out: bool = False
 
 
 class Router:
@@ -246,7 +246,7 @@ class Router:
                 state = self._sessions[session] = _Session(owner=target)
             state.owner = target if sticky or state.inflight == 0 else state.owner
             state.inflight += 1
-            state.nothing_to_move = False
+            state.left_out = False
             state.tokens = len(tokens)
             state.keys = keys
             self._inflight[target] = self._inflight.get(target, 0) + 1
@@ -301,7 +301,7 @@ class Router:
                     migrating=s.migrating,
                 )
                 for sid, s in self._sessions.items()
-                if s.owner in self._endpoints and not s.nothing_to_move
+                if s.owner in self._endpoints and not s.left_out
             ]
             result = tick(self._loads, self._samples(), requests, now, self.config.params)
             self._loads = result.loads
@@ -354,7 +354,7 @@ class Router:
             "key": key,
             "at": time.time(),
         }
-        moved = nothing_to_move = False
+        moved = False
         try:
             plan = migrate(
                 self.rt,
@@ -377,10 +377,6 @@ class Router:
                 entry.update(summarize(partial) if partial else {})
                 entry.update(status="failed", error=f"{type(e).__name__}: {e}")
                 steps = partial.get("steps", [])
-                # NotFound before any step finished: the source has no KV of it (evicted).
-                nothing_to_move = isinstance(e, errors.NotFound) and not any(
-                    s.get("status") == "ok" for s in steps
-                )
                 moved = any(  # the hydrate that made it resident there (its last part)
                     s.get("op") == "hydrate"
                     and s.get("status") == "ok"
@@ -401,7 +397,7 @@ class Router:
                         self._index.forget(source, state.keys)
                         self._index.insert(target, state.keys)
                 state.migrating = False
-                state.nothing_to_move = nothing_to_move
+                state.left_out = not moved
             self._migrating -= 1
             self._migrations.appendleft(entry)
             self._cv.notify_all()
