@@ -182,6 +182,24 @@ def test_bad_inputs_are_invalid_argument(rt):
         rt.put({"w": torch.ones(2)}, "")
     with pytest.raises(tc.InvalidArgument):
         rt.register({"w": torch.ones(2)}, "no-ttl", ttl_s=0)
+    # A lease is finite: infinity (or NaN) never expires and prints as invalid JSON.
+    for ttl_s in (float("inf"), float("nan"), 1e300):
+        with pytest.raises(tc.InvalidArgument, match="ttl_s"):
+            rt.register({"w": torch.ones(2)}, "endless", ttl_s=ttl_s)
+    art = rt.register({"w": torch.ones(2)}, "renewed", ttl_s=60)
+    with pytest.raises(tc.InvalidArgument, match="ttl_s"):
+        art.renew(float("inf"))
+    assert "endless" not in [a.art_id for a in rt.list_artifacts("endless")]
+
+
+def test_tc_put_refuses_an_endless_lease(cluster, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(4)}, str(tmp_path / "a.safetensors"))
+    for ttl in ("inf", "nan"):
+        proc = cluster.tc("put", "endless-cli", str(tmp_path / "a.safetensors"), "--ttl", ttl)
+        assert proc.returncode == tc.InvalidArgument.exit_code and "ttl_s" in proc.stderr
+    assert cluster.tc("show", "endless-cli").returncode == tc.NotFound.exit_code
 
 
 @pytest.mark.parametrize(

@@ -94,7 +94,7 @@ def json_text(data: Any) -> str:
     def items(value: list, pad: str) -> str:
         if not value:
             return "[]"
-        inner = ",\n".join(pad + "  " + json.dumps(v, sort_keys=True) for v in value)
+        inner = ",\n".join(pad + "  " + _dumps(v) for v in value)
         return "[\n" + inner + "\n" + pad + "]"
 
     if isinstance(data, list):
@@ -103,12 +103,14 @@ def json_text(data: Any) -> str:
         lines = []
         for key in sorted(data):
             value = data[key]
-            text = (
-                items(value, "  ") if isinstance(value, list) else json.dumps(value, sort_keys=True)
-            )
+            text = items(value, "  ") if isinstance(value, list) else _dumps(value)
             lines.append(f"  {json.dumps(key)}: {text}")
         return "{\n" + ",\n".join(lines) + "\n}"
-    return json.dumps(data, sort_keys=True)
+    return _dumps(data)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, allow_nan=False)  # Infinity is no JSON
 
 
 def fail(message: str, exit_code: int) -> None:

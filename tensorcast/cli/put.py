@@ -60,11 +60,11 @@ def command(
     import time
 
     from tensorcast.config import format_size
-    from tensorcast.errors import InvalidArgument
     from tensorcast.model_dir import scan
+    from tensorcast.store.base import check_lease_ttl
 
-    if ttl is not None and ttl <= 0:
-        raise InvalidArgument("--ttl must be > 0")
+    if ttl is not None:
+        check_lease_ttl(ttl)
     total = sum(p.stat().st_size for p in scan(path).fingerprint_paths())
     with connect(state_dir, addr, token) as rt:
         started = time.perf_counter()

@@ -32,6 +32,7 @@ REPLICA_TIERS = ("cpu", "disk", "file")
 # Dead workers stay listed (as dead) this long, so `tc status` can show them.
 DEAD_WORKER_RETENTION_S = 600.0
 MAX_ID_LENGTH = 512
+MAX_LEASE_TTL_S = 366 * 24 * 3600.0  # a year
 DEFAULT_NUM_SHARDS = 16
 MAX_SHARDS = 4096
 MAX_PLANS_LISTED = 1000
@@ -266,8 +267,17 @@ def check_batch(replicas: list[NewReplica], artifacts: list[NewArtifact]) -> dic
 def check_owner(owner: str, ttl_s: float) -> None:
     if owner not in (OWNER_SYSTEM, OWNER_LEASE):
         raise InvalidArgument(f"bad owner {owner!r}: use 'system' or 'lease'")
-    if owner == OWNER_LEASE and not ttl_s > 0:
-        raise InvalidArgument("a caller-leased artifact needs ttl_s > 0")
+    if owner == OWNER_LEASE:
+        check_lease_ttl(ttl_s)
+
+
+def check_lease_ttl(ttl_s: float) -> None:
+    """A lease is a finite time: an infinite one (or NaN) would print as invalid JSON and
+    never expire (a system-owned artifact is the way to keep one)."""
+    if not 0 < ttl_s <= MAX_LEASE_TTL_S:
+        raise InvalidArgument(
+            f"a lease's ttl_s must be > 0 and at most {MAX_LEASE_TTL_S:.0f} s, not {ttl_s}"
+        )
 
 
 def page_limit(limit: int) -> int:

@@ -64,6 +64,7 @@ from tensorcast.store.base import (
     StoreOp,
     WorkerRegistration,
     check_batch,
+    check_lease_ttl,
     check_num_shards,
     check_owner,
     check_same_layout,
@@ -1027,8 +1028,7 @@ class EtcdStore:
         )
 
     def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo:
-        if not ttl_s > 0:
-            raise InvalidArgument("ttl_s must be > 0")
+        check_lease_ttl(ttl_s)
         self._expire_one(art_id, now)
 
         def renew() -> None:

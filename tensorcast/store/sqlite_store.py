@@ -47,6 +47,7 @@ from tensorcast.store.base import (
     StoreOp,
     WorkerRegistration,
     check_batch,
+    check_lease_ttl,
     check_owner,
     check_same_layout,
     every_page,
@@ -892,8 +893,7 @@ class SqliteStore:
         return [r for r in results if r is not None]
 
     def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo:
-        if not ttl_s > 0:
-            raise InvalidArgument("ttl_s must be > 0")
+        check_lease_ttl(ttl_s)
 
         def renew() -> ArtifactInfo:
             self._expire(now)
