@@ -192,6 +192,14 @@ def test_bad_inputs_are_invalid_argument(rt):
     assert "endless" not in [a.art_id for a in rt.list_artifacts("endless")]
 
 
+def test_tc_get_checks_its_output_path_before_reading(cluster, tmp_path):
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "no" / "x", "does not exist")):
+        proc = cluster.tc("get", "anything", "-o", str(bad))
+        assert proc.returncode == tc.InvalidArgument.exit_code and why in proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no temporary file left anywhere near
+
+
 def test_tc_put_refuses_an_endless_lease(cluster, tmp_path):
     from safetensors.torch import save_file
 

@@ -196,6 +196,27 @@ def test_rebalance_bad_input(cluster, sims):
     assert proc.returncode == 4 and "no instance 'no-such-instance'" in proc.stderr
     proc = cluster.tc("rebalance", "--alpha", "0")
     assert proc.returncode == 3 and "alpha" in proc.stderr
+    proc = cluster.tc("rebalance", "--every", "inf")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    endpoints, _ = sims
+    before = sessions_on(endpoints["sim-a"])
+    proc = cluster.tc("migrate", "hog-0", "--from", "sim-a", "--to", "sim-a")
+    assert proc.returncode == 3 and "nothing to move" in proc.stderr
+    assert sessions_on(endpoints["sim-a"]).keys() == before.keys()
+
+
+def test_router_start_bad_input(cluster, sims):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = cluster.tc("router", "start", "--listen", f"127.0.0.1:{port}")
+    assert proc.returncode == errors.Unavailable.exit_code, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
+    proc = cluster.tc("router", "start", "--tick", "inf")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
 
 
 @pytest.fixture

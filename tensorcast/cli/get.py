@@ -34,9 +34,16 @@ def command(
     import time
 
     from tensorcast.config import format_size
+    from tensorcast.errors import InvalidArgument
     from tensorcast.safetensors_file import encode_header
     from tensorcast.tensors import tensor_bytes
 
+    # Checked before any byte moves (the temporary file goes beside the output).
+    if output.is_dir():
+        raise InvalidArgument(f"--output {output} is a directory: name the file to write")
+    parent = output.absolute().parent
+    if not parent.is_dir():
+        raise InvalidArgument(f"--output {output}: directory {parent} does not exist")
     with connect(state_dir, addr, token) as rt:
         started = time.perf_counter()
         art = rt.artifact(art_id)

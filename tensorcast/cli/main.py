@@ -79,6 +79,9 @@ def run() -> None:
     except TensorcastError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(e.exit_code)
+    except OSError as e:  # a path or port of the command line: the system's word for it
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)

@@ -25,6 +25,7 @@ def command(
         typer.Option(
             "--every",
             min=0.0,
+            max=86400,
             help="Tick every SECONDS until interrupted (or --ticks); 0: one tick.",
         ),
     ] = 0.0,

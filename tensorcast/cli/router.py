@@ -28,7 +28,8 @@ def start(
         ),
     ] = "rebalance",
     tick: Annotated[
-        float, typer.Option("--tick", min=0.01, help="Seconds between rebalance ticks.")
+        float,
+        typer.Option("--tick", min=0.01, max=86400, help="Seconds between rebalance ticks."),
     ] = 1.0,
     load_source: Annotated[
         str,
@@ -63,17 +64,21 @@ def start(
         ),
     ] = None,
     deadline: Annotated[
-        float, typer.Option("--deadline", min=0.1, help="Seconds a migration plan may take.")
+        float,
+        typer.Option("--deadline", min=0.1, max=3600, help="Seconds a migration plan may take."),
     ] = 30.0,
     wait_for_instances: Annotated[
         float,
-        typer.Option("--wait-for-instances", min=0, help="Seconds to wait for a first instance."),
+        typer.Option(
+            "--wait-for-instances", min=0, max=3600, help="Seconds to wait for a first instance."
+        ),
     ] = 0.0,
     session_idle: Annotated[
         float,
         typer.Option(
             "--session-idle",
             min=0.001,
+            max=30 * 86400,
             help="Seconds after which an idle session is forgotten (its next turn is placed anew).",
         ),
     ] = 600.0,
@@ -98,6 +103,7 @@ def start(
 
     from tensorcast.cli.common import connect
     from tensorcast.config import parse_host_port
+    from tensorcast.errors import Unavailable
     from tensorcast.router.policy import RebalanceParams
     from tensorcast.router.server import Router, RouterConfig, RouterHTTPServer
 
@@ -115,7 +121,11 @@ def start(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rt = connect(state_dir, addr, token)
     router = Router(rt, config).start(wait_for_instances_s=wait_for_instances)
-    http = RouterHTTPServer(router, host, port).start()
+    try:
+        http = RouterHTTPServer(router, host, port).start()
+    except OSError as e:
+        router.close()
+        raise Unavailable(f"cannot listen on {listen}: {e.strerror or e}") from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -38,6 +38,8 @@ def migrate(
     """
     if not 1 <= parts <= MAX_KV_PARTS:
         raise errors.InvalidArgument(f"parts must be in [1, {MAX_KV_PARTS}], not {parts}")
+    if source == dest:
+        raise errors.InvalidArgument(f"source and target are both {source!r}: nothing to move")
     target = rt.resolve_instance(dest)
     rt.resolve_instance(source)
     ctx = CallContext(deadline_ms=deadline_ms, idempotency_key=idempotency_key)
