@@ -930,6 +930,24 @@ def test_etcd_sweeps_finished_plans_by_their_index(etcd_records, monkeypatch):
     assert [k.split("/")[-1] for k in range_("pdone/", keys_only=True)] == ["new"]
 
 
+def test_etcd_records_a_plan_result_too_large_for_one_request_without_step_results(
+    etcd_records,
+):
+    _, coord = etcd_records()
+    coord.begin_plan(PlanRecord("big", "t", "running", {}, 0.0, deadline_at=1e9), 100.0)
+    steps = [
+        {"id": i, "op": "publish", "status": "ok", "result": {"pages": ["p" * 64] * 400}}
+        for i in range(100)
+    ]  # ~2.6 MB: over etcd's 1.5 MiB request limit
+    coord.finish_plan(
+        PlanRecord("big", "t", "failed", {"status": "failed", "steps": steps}, 0.0), 101.0
+    )
+    got = coord.get_plan("big")
+    assert got.status == "failed" and got.result["step_results_dropped"]
+    assert [(s["id"], s["status"]) for s in got.result["steps"]] == [(i, "ok") for i in range(100)]
+    assert not any("result" in s for s in got.result["steps"])  # a rerun runs them again
+
+
 def test_etcd_a_store_dying_after_the_commit_leaves_all_of_it(etcd_records, monkeypatch):
     store, _ = etcd_records()
     _worker(store, "w1", 100.0)

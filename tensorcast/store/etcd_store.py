@@ -32,6 +32,7 @@ Keys under the prefix (JSON values):
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -96,6 +97,18 @@ def _exp_key(expires_at: float, art_id: str) -> str:
 
 
 PLAN_FULL_SWEEP_S = 3600.0
+# etcd refuses requests over 1.5 MiB (--max-request-bytes): a plan's recorded result larger
+# than this keeps its steps' outcomes but not their results.
+MAX_PLAN_RESULT_BYTES = 512 * 1024
+
+
+def _recordable(result: dict) -> dict:
+    """`result`, or without its steps' results when too large to record (a rerun then runs
+    those steps again instead of reusing them; a replay shows `step_results_dropped`)."""
+    if len(json.dumps(result, separators=(",", ":"))) <= MAX_PLAN_RESULT_BYTES:
+        return result
+    steps = [{k: v for k, v in s.items() if k != "result"} for s in result.get("steps", [])]
+    return dict(result, steps=steps, step_results_dropped=True)
 
 
 def _done_key(finished_at: float, plan_key: str) -> str:
@@ -1378,7 +1391,8 @@ class EtcdCoordination:
                 raise NotFound(
                     f"plan {record.idempotency_key!r} (trace {record.trace_id}) is not running"
                 )
-            value = dict(item.value, status=record.status, result=record.result, finished_at=now)
+            result = _recordable(record.result)
+            value = dict(item.value, status=record.status, result=result, finished_at=now)
             ops = [self.kv.put(key, value), self.kv.put(_done_key(now, record.idempotency_key), 1)]
             if item.value["finished_at"] not in (0.0, now):  # finished before: a re-send
                 ops.append(self.kv.delete(_done_key(item.value["finished_at"], key[2:])))
