@@ -150,6 +150,12 @@ def send_token(token: str) -> str:
     return token.split(",")[0].strip()
 
 
+def accepted_tokens(accepted: str) -> str:
+    """The comma-separated accepted tokens without surrounding spaces: the native servers
+    compare each verbatim ("new, old" refused "old" on the data port and page sockets)."""
+    return ",".join(t.strip() for t in accepted.split(",") if t.strip())
+
+
 def token_accepted(accepted: str, given: str) -> bool:
     """`given` is one of the comma-separated `accepted` tokens (constant-time comparisons)."""
     ok = False

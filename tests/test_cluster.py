@@ -212,6 +212,30 @@ def test_wrong_or_missing_token_is_rejected(cluster):
             LocalConnection(worker.local_socket, "wrong-token", 5.0)
 
 
+def test_the_same_host_socket_gives_an_unauthenticated_peer_little(cluster):
+    """The socket is abstract (any process of the network namespace can connect): before its
+    hello is accepted a peer may send a few KiB, within a deadline, then it is cut off."""
+    import socket
+    import struct
+
+    from tensorcast.transport.unix import socket_address
+    from tensorcast.worker.local_server import HELLO_TIMEOUT_S
+
+    with cluster.connect() as rt:
+        worker = rt.workers()[0]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as big:
+        big.connect(socket_address(worker.local_socket))
+        big.settimeout(30)
+        big.sendall(struct.pack("<I", 48 << 20) + b"{" * 4096)  # a 48 MiB hello, begun
+        assert big.recv(1) == b""  # closed at once, nothing buffered
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
+        idle.connect(socket_address(worker.local_socket))
+        idle.settimeout(HELLO_TIMEOUT_S + 30)
+        started = time.monotonic()
+        assert idle.recv(1) == b""  # never said hello: closed after the hello deadline
+        assert time.monotonic() - started >= HELLO_TIMEOUT_S - 1
+
+
 def test_during_a_token_rotation_servers_accept_both_tokens(tmp_path):
     """Every server started with "new,old" accepts callers presenting either token: the store
     and workers over gRPC, the same-host socket, the page socket, and the data plane between
@@ -219,7 +243,7 @@ def test_during_a_token_rotation_servers_accept_both_tokens(tmp_path):
     from tensorcast.sdk.cluster_file import write_token
 
     state = tmp_path / "state"
-    write_token(state, "tok-new,tok-old")
+    write_token(state, "tok-new, tok-old")  # spaces too: every server trims them
     c = Cluster(state, None)  # type: ignore[arg-type]
     up = json.loads(c.tc("up", "--workers", "2", "--mem", "32MiB", "--json", check=True).stdout)
     try:

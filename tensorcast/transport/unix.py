@@ -70,8 +70,11 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
 FIRST_READ_BYTES = 64 * 1024  # a small message (and its blob) usually arrives in one read
 
 
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """One message and any descriptors that came with it. Raises ConnectionError on EOF.
+def recv_message(
+    sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES
+) -> tuple[dict[str, Any], list[int]]:
+    """One message (with its blob at most `max_bytes`) and any descriptors that came with it.
+    Raises ConnectionError on EOF.
 
     The first read may take more than the message's header: the protocol is strictly one
     request, then its reply, so nothing of a next message can be in the socket yet."""
@@ -81,8 +84,8 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     if len(data) < _LEN.size:
         data += recv_exact(sock, _LEN.size - len(data))
     (length,) = _LEN.unpack_from(data)
-    if length > MAX_MESSAGE_BYTES:
-        raise ConnectionResetError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if length > max_bytes:
+        raise ConnectionResetError(f"message of {length} bytes exceeds {max_bytes}")
     end = _LEN.size + length
     if len(data) < end:
         data += recv_exact(sock, end - len(data))
@@ -91,7 +94,7 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         raise ConnectionResetError("malformed message")
     blob_bytes = message.get("blob")
     if blob_bytes is not None:
-        if not isinstance(blob_bytes, int) or not 0 <= blob_bytes <= MAX_MESSAGE_BYTES - length:
+        if not isinstance(blob_bytes, int) or not 0 <= blob_bytes <= max_bytes - length:
             raise ConnectionResetError("malformed message: bad blob length")
         blob = bytearray(blob_bytes)
         view = memoryview(blob)

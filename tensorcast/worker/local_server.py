@@ -33,6 +33,11 @@ from tensorcast.worker.pool import Content
 log = logging.getLogger("tensorcast.worker.local")
 
 MAX_CONNECTIONS = 256
+# Before the token is checked a connection gets this long and this many bytes for its hello:
+# the socket is abstract (any process of the host's network namespace can connect), and an
+# unauthenticated peer must not hold slots or buffers (up to 64 MiB per message) for ever.
+HELLO_TIMEOUT_S = 10.0
+HELLO_MAX_BYTES = 4096
 
 
 class LocalServer:
@@ -69,12 +74,14 @@ class LocalServer:
     def _serve(self, conn: socket.socket) -> None:
         session = _Session(self.node, self.gpu)
         try:
-            message, _ = recv_message(conn)
+            conn.settimeout(HELLO_TIMEOUT_S)
+            message, _ = recv_message(conn, HELLO_MAX_BYTES)
             if message.get("op") != "hello" or not token_accepted(
                 self.node.token, str(message.get("token", ""))
             ):
                 send_message(conn, _error(Unauthenticated("missing or wrong cluster token")))
                 return
+            conn.settimeout(None)  # authenticated: a caller may stay idle between requests
             send_message(
                 conn,
                 {

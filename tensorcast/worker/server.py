@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from tensorcast.config import TLSFiles, fault_injection
+from tensorcast.config import TLSFiles, accepted_tokens, fault_injection
 from tensorcast.errors import InvalidArgument, ResourceExhausted, TensorcastError
 from tensorcast.metrics import MetricsServer, Sample
 from tensorcast.proto import tensorcast_pb2_grpc as pb_grpc
@@ -158,6 +158,7 @@ def serve(
             raise type(e)(f"--gpu-mem (a GPU tier on cuda:{gpu_device}): {e}") from None
     pool = Pool(mem_bytes)
     disk = DiskTier(disk_dir) if disk_dir else None
+    token = accepted_tokens(token)
     node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s, disk, tls)
     # Attach streams hold a thread each for their lifetime; plans nest calls between workers.
     server = make_server(token, max_workers=64)
