@@ -50,6 +50,42 @@ def test_delta_sync_moves_exactly_the_changed_tensors(rt):
         publisher.publish(v1, "v2")  # versions are immutable
 
 
+def test_publishing_a_version_again_with_the_same_weights_is_a_retry(rt):
+    # A trainer whose publish timed out (did it run?) publishes again.
+    publisher = tc.WeightPublisher(rt, "retry-model", keep_last=5)
+    first = publisher.publish(_state(n=3, fill=1), "v1")
+    again = publisher.publish(_state(n=3, fill=1), "v1")
+    assert again.published_at == first.published_at and again.tensors == first.tensors
+    with pytest.raises(tc.AlreadyExists):
+        publisher.publish(_state(n=3, fill=2), "v1")  # other weights: refused
+    assert [v.version for v in list_versions(rt, "retry-model")] == ["v1"]
+
+
+def test_an_artifact_under_the_models_name_that_is_no_version_breaks_nothing(rt):
+    publisher = tc.WeightPublisher(rt, "stray-model", keep_last=1)
+    publisher.publish(_state(n=2, fill=1), "v1")
+    rt.put({"x": torch.ones(2)}, "weights/stray-model@junk")  # someone else's artifact
+    assert tc.WeightSubscriber(rt, "stray-model", _state(n=2, fill=0)).sync().version == "v1"
+    publisher.publish(_state(n=2, fill=2), "v2")  # and collects v1, not the stranger
+    assert [v.version for v in list_versions(rt, "stray-model")] == ["v2"]
+    assert rt.info("weights/stray-model@junk").art_id == "weights/stray-model@junk"
+    assert tc.WeightSubscriber(rt, "stray-model", _state(n=2, fill=0)).sync().version == "v2"
+
+
+def test_a_target_of_another_shape_or_dtype_is_refused_unchanged(rt):
+    tc.WeightPublisher(rt, "shape-model").publish(
+        {"a": torch.arange(4.0), "b": torch.ones(2, 2)}, "v1"
+    )
+    for bad in ({"b": torch.zeros(3, 3)}, {"b": torch.zeros(2, 2, dtype=torch.float16)}):
+        target = {"a": torch.zeros(4), **bad}  # "a" fits; "b" does not
+        with pytest.raises(tc.InvalidArgument, match="'b'"):
+            tc.WeightSubscriber(rt, "shape-model", target).sync()
+        assert torch.equal(target["a"], torch.zeros(4))  # nothing written, not even "a"
+    broadcast = {"a": torch.zeros(3, 4)}  # copy_ would broadcast arange(4) into every row
+    with pytest.raises(tc.InvalidArgument, match="'a'"):
+        tc.WeightSubscriber(rt, "shape-model", broadcast).sync()
+
+
 def test_keep_last_collects_old_versions(rt):
     publisher = tc.WeightPublisher(rt, "gc-model", keep_last=2)
     for i in range(5):

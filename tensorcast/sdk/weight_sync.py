@@ -12,12 +12,19 @@ manifest finds a complete version, and a failed publish leaves nothing. Versions
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tensorcast.errors import IntegrityError, InvalidArgument, NotFound
+from tensorcast.errors import (
+    AlreadyExists,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    TensorcastError,
+)
 from tensorcast.model_dir import FILE_PREFIX
 
 if TYPE_CHECKING:
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
 
     from tensorcast.sdk.runtime import Runtime
 
+log = logging.getLogger("tensorcast.weights")
 PREFIX = "weights/"
 MANIFEST_FILE = "manifest.json"
 
@@ -67,21 +75,35 @@ def _manifests(rt: Runtime, model: str) -> list[str]:
 
 def list_versions(rt: Runtime, model: str) -> list[VersionInfo]:
     """Published versions of `model`, oldest first."""
-    return [read_version(rt, model, v) for v in _manifests(rt, model)]
+    versions = []
+    for name in _manifests(rt, model):
+        try:
+            versions.append(read_version(rt, model, name))
+        except NotFound:
+            continue  # collected meanwhile, or not a version
+    return versions
 
 
 def latest_version(rt: Runtime, model: str) -> VersionInfo:
-    """The newest published version (reads only its manifest)."""
-    names = _manifests(rt, model)
-    if not names:
-        raise NotFound(f"no published version of {model!r}")
-    return read_version(rt, model, names[-1])
+    """The newest published version (reads its manifest; an artifact under the model's name
+    that is no version is passed over)."""
+    for name in reversed(_manifests(rt, model)):
+        try:
+            return read_version(rt, model, name)
+        except NotFound:
+            continue
+    raise NotFound(f"no published version of {model!r}")
 
 
 def read_version(rt: Runtime, model: str, version: str) -> VersionInfo:
-    files = rt.artifact(manifest_id(model, version)).files()
-    manifest = json.loads(files[MANIFEST_FILE])
-    return VersionInfo(model, version, manifest["published_at"], manifest["tensors"])
+    """A version's manifest; NotFound when there is none under that name, or the artifact
+    there holds no manifest (someone else's artifact under the `weights/` prefix)."""
+    art_id = manifest_id(model, version)
+    try:
+        manifest = json.loads(rt.artifact(art_id).files()[MANIFEST_FILE])
+        return VersionInfo(model, version, float(manifest["published_at"]), manifest["tensors"])
+    except (KeyError, TypeError, ValueError):
+        raise NotFound(f"{art_id} is not a published version (no valid manifest)") from None
 
 
 class WeightPublisher:
@@ -128,27 +150,44 @@ class WeightPublisher:
         specs += batch.tensor_specs(
             [(base, {FILE_PREFIX + MANIFEST_FILE: blob})], OWNER_SYSTEM, 0.0
         )
-        batch.put_batch(self.rt, specs, None, brief=True)
-        self.collect()
-        return VersionInfo(self.model, version, published_at, tensors)
+        try:
+            batch.put_batch(self.rt, specs, None, brief=True)
+            info = VersionInfo(self.model, version, published_at, tensors)
+        except AlreadyExists:
+            # A retry (the first call's outcome unknown) of the same weights is that version;
+            # other weights under the name are refused.
+            info = read_version(self.rt, self.model, version)
+            if {n: t["hash"] for n, t in info.tensors.items()} != {
+                n: t["hash"] for n, t in tensors.items()
+            }:
+                raise
+        try:
+            self.collect()
+        except TensorcastError as e:  # the version is published: collecting waits for the next
+            log.warning("collecting old versions of %s failed: %s", self.model, e)
+        return info
 
     def collect(self) -> list[str]:
         """Delete all but the newest `keep_last` versions; returns the deleted versions. One
-        listing, a read of each doomed manifest and one delete request, manifests first (a
-        version is never half-visible)."""
-        names = _manifests(self.rt, self.model)
-        doomed = names[: max(0, len(names) - self.keep_last)]
-        manifests = [manifest_id(self.model, v) for v in doomed]
-        tensors = []
-        for version in doomed:
+        listing, a read of each manifest past the newest `keep_last` and one delete request,
+        manifests first (a version is never half-visible). Artifacts under the model's name
+        that are no version (no manifest) are neither counted nor deleted."""
+        kept = 0
+        doomed: list[VersionInfo] = []
+        for name in reversed(_manifests(self.rt, self.model)):
             try:
-                info = read_version(self.rt, self.model, version)
+                info = read_version(self.rt, self.model, name)
             except NotFound:
-                continue  # collected meanwhile (another publisher)
-            tensors += [entry["art_id"] for entry in info.tensors.values()]
+                continue  # collected meanwhile (another publisher), or not a version
+            if kept < self.keep_last:
+                kept += 1
+            else:
+                doomed.append(info)
+        manifests = [manifest_id(self.model, v.version) for v in doomed]
+        tensors = [entry["art_id"] for v in doomed for entry in v.tensors.values()]
         if manifests:
             self.rt.delete_many(manifests + tensors, missing_ok=True)
-        return doomed
+        return [v.version for v in reversed(doomed)]
 
 
 @dataclass(frozen=True)
@@ -175,6 +214,8 @@ class WeightSubscriber:
         time). `version=None` means the newest published."""
         import torch
 
+        from tensorcast.tensors import dtype_name
+
         if version is None:
             info = latest_version(self.rt, self.model)
         else:
@@ -182,6 +223,16 @@ class WeightSubscriber:
         missing = sorted(set(self.target) - set(info.tensors))
         if missing:
             raise InvalidArgument(f"version {info.version} lacks {missing[:5]}")
+        for name in sorted(set(self.target) & set(info.tensors)):
+            # copy_ would broadcast a smaller tensor or cast another dtype: wrong weights,
+            # silently. Every tensor is checked before any is written.
+            entry, have = info.tensors[name], self.target[name]
+            if (list(entry["shape"]), entry["dtype"]) != (list(have.shape), dtype_name(have.dtype)):
+                raise InvalidArgument(
+                    f"version {info.version}: tensor {name!r} is {entry['dtype']} "
+                    f"{list(entry['shape'])}, the target's is {dtype_name(have.dtype)} "
+                    f"{list(have.shape)}; nothing was changed"
+                )
         changed = {
             name: entry
             for name, entry in info.tensors.items()
