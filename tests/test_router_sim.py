@@ -430,6 +430,33 @@ def test_sglang_http_api(engine):
         assert conn.getresponse().status == 400
 
 
+def test_sglang_http_api_never_reads_a_body_as_a_request_nor_waits_for_ever(engine, monkeypatch):
+    import socket
+
+    from tensorcast.engine import server as own_api
+    from tensorcast.engine import sglang_api
+
+    for handler in (sglang_api._Handler, own_api._Handler):  # both servers bound every read
+        assert handler.timeout is not None and 0 < handler.timeout <= 300
+    monkeypatch.setattr(sglang_api._Handler, "timeout", 1.0)
+    with SimHTTPServer(engine) as server:
+        host, port = server.addr.split(":")
+        smuggled = b"POST /flush_cache HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+        head = f"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: {len(smuggled)}\r\n\r\n"
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(head.encode() + smuggled)  # an unknown route's body: a request in it
+            replies = b""
+            while chunk := s.recv(65536):  # until the server closes the connection
+                replies += chunk
+        assert replies.startswith(b"HTTP/1.1 404") and replies.count(b"HTTP/1.1") == 1
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            replies = b""
+            while chunk := s.recv(65536):  # the rest never comes: an error, then closed
+                replies += chunk
+        assert replies.startswith(b"HTTP/1.1 5")
+
+
 def test_full_queue_is_resource_exhausted(monkeypatch):
     import tensorcast.engine.sim as sim
 

@@ -31,6 +31,7 @@ from tensorcast.errors import (
 )
 
 MAX_BODY_BYTES = 1 << 20
+SOCKET_TIMEOUT_S = 60.0  # per read or write on a request's connection, not per request
 _STATUS: dict[type[TensorcastError], int] = {
     InvalidArgument: 400,
     NotFound: 404,
@@ -57,6 +58,7 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    timeout = SOCKET_TIMEOUT_S  # a client that stops sending mid-request frees its thread
 
     def do_GET(self) -> None:
         self._serve("GET")

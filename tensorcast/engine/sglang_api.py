@@ -31,7 +31,7 @@ from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tensorcast.engine.server import _STATUS, MAX_BODY_BYTES
+from tensorcast.engine.server import _STATUS, MAX_BODY_BYTES, SOCKET_TIMEOUT_S
 from tensorcast.engine.sim import Job, SimEngine, detokenize, tokenize
 from tensorcast.errors import (
     InvalidArgument,
@@ -61,6 +61,7 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"  # keep-alive: routers pool connections
+    timeout = SOCKET_TIMEOUT_S  # a client that stops sending mid-request frees its thread
 
     def log_message(self, format: str, *args: Any) -> None:
         """The library never prints."""
@@ -83,6 +84,10 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # an engine bug: report it and keep serving
             status = 500
             reply = {"error": "TensorcastError", "message": f"{type(exc).__name__}: {exc}"}
+        if status != 200:
+            # The request's body may be unread (an unknown route, a bad Content-Length): on a
+            # kept-alive connection it would be parsed as the next request.
+            self.close_connection = True
         self._json(status, reply)
 
     def _json(self, status: int, reply: Any) -> None:
