@@ -210,6 +210,21 @@ def test_wrong_or_missing_token_is_rejected(cluster):
             rt.worker_stub(worker).call("Status", pb.Empty())
         with pytest.raises(tc.Unauthenticated):
             LocalConnection(worker.local_socket, "wrong-token", 5.0)
+    # Refused before the request is parsed: bytes that are no protobuf get UNAUTHENTICATED
+    # without the token, and a parse error (not the servicer) with it.
+    import grpc
+
+    from tensorcast.rpc import TOKEN_METADATA_KEY
+
+    with grpc.insecure_channel(cluster.record.store_addr) as channel:
+        call = channel.unary_unary("/tensorcast.v1.GlobalStore/GetArtifact")
+        for token, code in (
+            ("wrong-token", grpc.StatusCode.UNAUTHENTICATED),
+            (cluster.token, grpc.StatusCode.INTERNAL),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(b"\xff\xff\xff", metadata=[(TOKEN_METADATA_KEY, token)], timeout=30)
+            assert refused.value.code() == code
 
 
 def test_the_same_host_socket_gives_an_unauthenticated_peer_little(cluster):

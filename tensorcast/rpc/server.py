@@ -22,24 +22,28 @@ def _abort(context: grpc.ServicerContext, error: TensorcastError) -> None:
     context.abort(getattr(grpc.StatusCode, error.grpc_code), ERROR_MARK + str(error))
 
 
-def _guard(behavior: Callable, token: str, streaming_response: bool, method: str) -> Callable:
-    def authorized(context: grpc.ServicerContext) -> bool:
-        sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
-        if isinstance(sent, bytes):
-            sent = sent.decode(errors="replace")
-        if token_accepted(token, sent):
-            return True
-        context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or wrong cluster token: pass --token or set TC_TOKEN",
-        )
-        return False
+def _sent_token(metadata: Any) -> str:
+    sent = dict(metadata or ()).get(TOKEN_METADATA_KEY, "")
+    return sent.decode(errors="replace") if isinstance(sent, bytes) else sent
 
+
+def _refuse(request: Any, context: grpc.ServicerContext) -> Any:
+    context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "missing or wrong cluster token: pass --token or set TC_TOKEN",
+    )
+
+
+def _skip(raw: bytes) -> bytes:
+    """A refused call's request is not parsed (None would count as a parse error)."""
+    return raw
+
+
+def _guard(behavior: Callable, streaming_response: bool, method: str) -> Callable:
     name = method.rpartition("/")[2]
     if streaming_response:
 
         def stream_wrapper(request: Any, context: grpc.ServicerContext):
-            authorized(context)
             started = time.perf_counter()
             try:
                 yield from behavior(request, context)
@@ -51,7 +55,6 @@ def _guard(behavior: Callable, token: str, streaming_response: bool, method: str
         return stream_wrapper
 
     def unary_wrapper(request: Any, context: grpc.ServicerContext):
-        authorized(context)
         started = time.perf_counter()
         try:
             return behavior(request, context)
@@ -71,22 +74,34 @@ class GuardInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        method = handler_call_details.method
+        # The token is checked before the request is parsed or the servicer entered.
+        if not token_accepted(self._token, _sent_token(handler_call_details.invocation_metadata)):
+            unary, stream = _refuse, lambda request, context: iter([_refuse(request, context)])
+            out = handler.response_serializer
+            if handler.unary_unary:
+                return grpc.unary_unary_rpc_method_handler(unary, _skip, out)
+            if handler.unary_stream:
+                return grpc.unary_stream_rpc_method_handler(stream, _skip, out)
+            if handler.stream_unary:
+                return grpc.stream_unary_rpc_method_handler(unary, _skip, out)
+            return grpc.stream_stream_rpc_method_handler(stream, _skip, out)
         if handler.unary_unary:
-            fn = _guard(handler.unary_unary, self._token, False, handler_call_details.method)
+            fn = _guard(handler.unary_unary, False, method)
             return grpc.unary_unary_rpc_method_handler(
                 fn, handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream:
-            fn = _guard(handler.unary_stream, self._token, True, handler_call_details.method)
+            fn = _guard(handler.unary_stream, True, method)
             return grpc.unary_stream_rpc_method_handler(
                 fn, handler.request_deserializer, handler.response_serializer
             )
         if handler.stream_unary:
-            fn = _guard(handler.stream_unary, self._token, False, handler_call_details.method)
+            fn = _guard(handler.stream_unary, False, method)
             return grpc.stream_unary_rpc_method_handler(
                 fn, handler.request_deserializer, handler.response_serializer
             )
-        fn = _guard(handler.stream_stream, self._token, True, handler_call_details.method)
+        fn = _guard(handler.stream_stream, True, method)
         return grpc.stream_stream_rpc_method_handler(
             fn, handler.request_deserializer, handler.response_serializer
         )
