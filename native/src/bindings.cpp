@@ -296,6 +296,7 @@ nb::dict to_dict(const tc::DataServerStats& s) {
     d["active_connections"] = s.active_connections;
     d["connections_accepted"] = s.connections_accepted;
     d["connections_refused"] = s.connections_refused;
+    d["connections_evicted"] = s.connections_evicted;
     d["errors_sent"] = s.errors_sent;
     return d;
 }

@@ -30,7 +30,10 @@ namespace {
 using net::Clock;
 
 constexpr int kHandshakeTimeoutMs = 10'000;      // HELLO must arrive this soon
-constexpr int kIdleTimeoutMs = 300'000;          // no READ for this long: close
+// No READ for this long: close. Clients pool an idle connection for 30 s at most (LinkPool),
+// so one idle longer is not reused, yet it would keep a thread and one of the
+// kMaxServerConnections slots.
+constexpr int kIdleTimeoutMs = 60'000;
 constexpr int kSendStallTimeoutMs = 30'000;      // client stopped reading
 constexpr size_t kTicketSweepThreshold = 4096;   // prune expired tickets above this
 constexpr int kListenBacklog = 512;
@@ -65,11 +68,20 @@ struct Ticket {
     Clock::time_point last_used;  // opened, or last allowed READ
 };
 
+// A data connection's state between requests, for evicting idle ones when the server is full.
+enum Idle : int { kBusy = 0, kWaiting = 1, kEvicted = 2 };
+
 struct Connection {
     net::Fd fd;
     tls::Session session;  // after a TLS handshake (TLS servers only)
     std::thread thread;
     std::atomic<bool> finished{false};
+    // kWaiting: authenticated and waiting for its next READ (idle in a client's pool, mostly).
+    // The accept thread moves it to kEvicted and shuts the socket; whichever of the two sides
+    // changes the state first decides whether a request that arrives meanwhile is served.
+    std::atomic<int> idle{kBusy};
+    std::atomic<int64_t> idle_since{0};  // steady clock ticks, set before idle = kWaiting
+    bool evicted = false;                // guarded by the server's connections_mutex
 };
 
 }  // namespace
@@ -104,9 +116,12 @@ struct DataServer::Impl {
     std::atomic<uint32_t> corrupt_countdown{0};
     std::atomic<uint32_t> close_countdown{0};
     std::atomic<uint64_t> bytes_sent{0}, chunks_sent{0}, active{0}, accepted{0}, refused{0},
-        errors_sent{0};
+        errors_sent{0}, evicted{0};
 
     void accept_loop();
+    // With connections_mutex held: connections that still hold a slot; when all slots are
+    // taken, frees one by closing the longest-idle authenticated data connection, if any.
+    bool make_room();
     void serve(Connection* connection);
     // Outcome of a ticket check for one READ; waits (bounded) for bytes of a growing range.
     frame::ErrorCode check_read(uint64_t ticket, uint64_t offset, uint64_t length_bytes,
@@ -261,6 +276,7 @@ DataServerStats DataServer::stats() const {
     out.active_connections = s.active;
     out.connections_accepted = s.accepted;
     out.connections_refused = s.refused;
+    out.connections_evicted = s.evicted;
     out.errors_sent = s.errors_sent;
     return out;
 }
@@ -304,7 +320,7 @@ void DataServer::Impl::accept_loop() {
                 break;
             }
             std::lock_guard<std::mutex> lock(connections_mutex);
-            if (connections.size() >= kMaxServerConnections) {
+            if (!make_room()) {
                 ++refused;
                 send_error(fd.get(), 0, frame::ErrorCode::kBusy, "too many connections");
                 continue;  // fd closes here
@@ -335,6 +351,32 @@ void DataServer::Impl::accept_loop() {
             }
         }
     }
+}
+
+bool DataServer::Impl::make_room() {
+    size_t holding = 0;
+    Connection* oldest = nullptr;
+    int64_t oldest_since = 0;
+    for (const auto& c : connections) {
+        if (c->finished || c->evicted) continue;
+        ++holding;
+        const int64_t since = c->idle_since.load();
+        if (c->idle.load() == kWaiting && (oldest == nullptr || since < oldest_since)) {
+            oldest = c.get();
+            oldest_since = since;
+        }
+    }
+    if (holding < kMaxServerConnections) return true;
+    // Pooled connections from many clients (or tokens) would otherwise fill every slot and
+    // refuse all new ones, including KV page calls. Its client sees the close when it takes
+    // the connection from its pool (or on its next READ) and connects again.
+    int expected = kWaiting;
+    if (oldest == nullptr || !oldest->idle.compare_exchange_strong(expected, kEvicted))
+        return false;
+    oldest->evicted = true;
+    ++evicted;
+    ::shutdown(oldest->fd.get(), SHUT_RDWR);  // its thread wakes and ends; the reaper closes it
+    return true;
 }
 
 bool DataServer::Impl::send_error(int fd, uint64_t request_id, frame::ErrorCode code,
@@ -473,8 +515,14 @@ void DataServer::Impl::serve(Connection* connection) {
             if (net::recv_all(fd, raw + kPageHeader, sizeof raw - kPageHeader, limits, nullptr) !=
                 net::Io::kOk)
                 return;
-        } else if (net::recv_all(fd, raw, sizeof raw, limits, nullptr) != net::Io::kOk) {
-            return;
+        } else {
+            if (authenticated) {
+                connection->idle_since = Clock::now().time_since_epoch().count();
+                connection->idle = kWaiting;
+            }
+            const net::Io io = net::recv_all(fd, raw, sizeof raw, limits, nullptr);
+            // Evicted while waiting: the socket is shut, even if a READ slipped in.
+            if (connection->idle.exchange(kBusy) == kEvicted || io != net::Io::kOk) return;
         }
         frame::Header h;
         const frame::Status status = frame::decode_header(raw, sizeof raw, &h);

@@ -4,6 +4,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -23,8 +24,9 @@ struct Link {
 };
 
 // Links left idle by finished calls, kept for the next call to the same server: no connect,
-// no HELLO, and a congestion window that has already grown. The age limit stays well below the
-// server's idle timeout (5 min), so a pooled link is rarely stale.
+// no HELLO, and a congestion window that has already grown. The age limit stays below the
+// data server's idle timeout (1 min), so a pooled link is rarely stale; a full server may still
+// close one early (take() sees that).
 class LinkPool {
 public:
     static constexpr int kIdleMs = 30'000;
@@ -50,6 +52,16 @@ public:
 
     void give(const std::string& key, Link link) {
         std::lock_guard<std::mutex> lock(mutex_);
+        // Links too old to be taken go now, whatever their server: one never asked again
+        // would otherwise keep its socket open here for the life of the process.
+        const auto oldest = Clock::now() - std::chrono::milliseconds(kIdleMs);
+        for (auto it = idle_.begin(); it != idle_.end();) {
+            auto& links = it->second;
+            links.erase(std::remove_if(links.begin(), links.end(),
+                                       [&](const Idle& idle) { return idle.since <= oldest; }),
+                        links.end());
+            it = links.empty() ? idle_.erase(it) : std::next(it);
+        }
         auto& list = idle_[key];
         if (list.size() >= kMaxPerServer || idle_.size() > kMaxServers) {
             if (list.empty()) idle_.erase(key);

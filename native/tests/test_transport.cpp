@@ -389,6 +389,40 @@ void test_connection_cap() {
     CHECK(seconds_since(stop_start) < 10);  // bounded, not instant: the machine may be loaded
 }
 
+// Connections pooled by clients must not lock new ones out: pulls under many tokens (each its
+// own pool key) leave idle connections until the server is full, and the next pull still works.
+void test_idle_pooled_connections_make_room() {
+    std::string tokens;
+    constexpr int kTokens = 64;  // 64 x 8 idle links would be twice the server's slots
+    for (int i = 0; i < kTokens; ++i) tokens += (i ? ",tok-" : "tok-") + std::to_string(i);
+    tc::DataServer server{"127.0.0.1", 0, pool().data(), kPoolBytes, tokens};
+    const uint64_t ticket = server.open_ticket(0, 1 << 20, 60'000);
+    std::vector<uint8_t> dest(1 << 20);
+    const auto pull_as = [&](int i) {
+        // 8 chunks of 128 KiB: 8 streams, each leaving its connection in the pool.
+        tc::pull("127.0.0.1", server.port(), "tok-" + std::to_string(i), ticket, 0, dest.size(),
+                 dest.data(), 8, 128 << 10, 30'000, nullptr);
+        CHECK(equals_pool(dest, 0));
+    };
+    int i = 0;
+    // Until the next pull's 8 connections cannot all get a free slot.
+    while (i < kTokens &&
+           server.stats().active_connections + 8 <= tc::kMaxServerConnections)
+        pull_as(i++);
+    CHECK(i < kTokens);
+    for (int more = 0; more < 4 && i < kTokens; ++more) {
+        try {
+            pull_as(i++);
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "  pull %d with %llu connections open: %s\n", i,
+                         (unsigned long long)server.stats().active_connections, e.what());
+            CHECK(false);
+        }
+    }
+    CHECK(server.stats().connections_refused == 0);
+    CHECK(server.stats().connections_evicted > 0);
+}
+
 // Chain fan-out: a relay's pool receives a range while a reader pulls it from the relay.
 void test_growing_range_serves_only_what_arrived() {
     constexpr uint64_t kSize = 16ull << 20, kStep = 1ull << 20;
@@ -477,6 +511,7 @@ int main() {
         {"server_stop_mid_pull", test_server_stop_mid_pull},
         {"server_protocol_errors", test_server_protocol_errors},
         {"connection_cap", test_connection_cap},
+        {"idle_pooled_connections_make_room", test_idle_pooled_connections_make_room},
         {"growing_range_serves_only_what_arrived", test_growing_range_serves_only_what_arrived},
     };
     for (const auto& test : tests) {

@@ -21,6 +21,8 @@ constexpr uint64_t kDefaultPullChunkBytes = 4ull << 20;
 constexpr uint32_t kMaxReadsInFlight = 4;  // per connection
 constexpr uint32_t kMaxChunkRetries = 3;
 constexpr uint32_t kMaxReconnects = 2;     // per pull, once every connection has died
+// Beyond this a data server closes its longest-idle authenticated data connection to make room,
+// or refuses the new one (ERROR busy) when none is idle.
 constexpr uint32_t kMaxServerConnections = 256;
 // A READ of a growing range waits this long at most for its bytes to arrive (then ERROR busy):
 // below a puller's 10 s receive stall, so the reader sees a reason, not a silent stall.
@@ -39,6 +41,7 @@ struct DataServerStats {
     uint64_t active_connections = 0;
     uint64_t connections_accepted = 0;
     uint64_t connections_refused = 0;  // over kMaxServerConnections
+    uint64_t connections_evicted = 0;  // idle ones closed to make room for a new one
     uint64_t errors_sent = 0;          // ERROR frames (bad token, ticket, protocol, ...)
 };
 
