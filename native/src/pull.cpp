@@ -43,6 +43,9 @@ net::LinkPool& connection_pool() { return net::link_pool(); }
 struct ConnectionLost {
     TransferFailure kind;
     std::string message;
+    // Connecting or HELLO got no answer within the stall limit: the source is frozen or cut
+    // off, and connecting again would only spend the caller's deadline (other replicas wait).
+    bool unanswered = false;
 };
 
 // Ends the whole pull (bad token, ticket rejected, deadline): no retry helps.
@@ -74,7 +77,7 @@ public:
     Pull(std::vector<net::Address> addresses, std::string host, std::string where,
          const std::string& token, ssl_ctx_st* tls, uint64_t ticket, uint64_t source_offset,
          uint8_t* dest, Clock::time_point deadline, const std::string& tls_identity,
-         const std::function<void(uint64_t)>& on_prefix)
+         const std::function<void(uint64_t)>& on_prefix, int stall_ms)
         : addresses_(std::move(addresses)),
           host_(std::move(host)),
           where_(std::move(where)),
@@ -86,6 +89,7 @@ public:
           deadline_(deadline),
           pool_key_(where_ + '\n' + token + '\n' + tls_identity),
           on_prefix_(on_prefix),
+          stall_ms_(stall_ms),
           wake_(net::make_wake_fd()) {}
 
     void add_chunk(uint64_t offset, uint64_t length_bytes) {
@@ -116,7 +120,8 @@ private:
         l.ssl = link.session.get();
         return l;
     }
-    [[noreturn]] void throw_io(net::Io io, int error, const char* what);
+    [[noreturn]] void throw_io(net::Io io, int error, const char* what,
+                               bool handshake = false);
 
     int64_t take_chunk(uint64_t connection_id, bool wait);
     void complete_chunk(uint32_t chunk);
@@ -141,6 +146,7 @@ private:
     const Clock::time_point deadline_;
     const std::string pool_key_;  // server and token: who may reuse a connection
     const std::function<void(uint64_t)>& on_prefix_;
+    const int stall_ms_;  // no byte for this long on a connection that awaits one: it is lost
     net::Fd wake_;  // signalled once the pull is over (success or failure)
 
     std::mutex mutex_;
@@ -232,25 +238,30 @@ bool Pull::on_connection_lost(const ConnectionLost& loss) {
     --live_;
     changed_.notify_all();  // waiters re-evaluate "only live connection"
     if (over_ || live_ > 0) return false;
-    if (reconnects_used_ < kMaxReconnects) {
+    if (reconnects_used_ < kMaxReconnects && !loss.unanswered) {
         ++reconnects_used_;
         ++stats_.reconnects;
         ++live_;
         return true;
+    }
+    if (loss.unanswered) {
+        fail_locked(loss.kind, loss.message + " (every connection lost)");
+        return false;
     }
     fail_locked(loss.kind, loss.message + " (every connection lost, " +
                                std::to_string(kMaxReconnects) + " reconnects used)");
     return false;
 }
 
-void Pull::throw_io(net::Io io, int error, const char* what) {
+void Pull::throw_io(net::Io io, int error, const char* what, bool handshake) {
     switch (io) {
         case net::Io::kWoken: throw PullOver{};
         case net::Io::kTimeout:
             if (Clock::now() < deadline_)  // a stall, not the pull's deadline
                 throw ConnectionLost{TransferFailure::kPeerClosed,
                                      std::string(what) + ": no data for " +
-                                         std::to_string(kReceiveStallMs) + " ms"};
+                                         std::to_string(stall_ms_) + " ms",
+                                     handshake};
             throw PullFailed{TransferFailure::kTimeout, "deadline passed"};
         case net::Io::kClosed:
             throw ConnectionLost{TransferFailure::kPeerClosed,
@@ -278,10 +289,18 @@ Link Pull::connect_and_hello(uint64_t connection_id) {
                 last_error = errno;
                 continue;
             }
-            const net::Wait wait = net::wait_for(candidate.get(), POLLOUT, wake_.get(), deadline_);
+            // A SYN nobody answers (host frozen or cut off) costs the stall limit, not the
+            // whole deadline: the caller still has time for another replica.
+            const net::Wait wait = net::wait_for(
+                candidate.get(), POLLOUT, wake_.get(),
+                std::min(deadline_, Clock::now() + milliseconds(stall_ms_)));
             if (wait == net::Wait::kWoken) throw PullOver{};
-            if (wait == net::Wait::kTimeout)
-                throw PullFailed{TransferFailure::kTimeout, "deadline passed while connecting"};
+            if (wait == net::Wait::kTimeout) {
+                if (Clock::now() >= deadline_)
+                    throw PullFailed{TransferFailure::kTimeout, "deadline passed while connecting"};
+                last_error = ETIMEDOUT;
+                continue;
+            }
             int so_error = 0;
             socklen_t size = sizeof so_error;
             ::getsockopt(candidate.get(), SOL_SOCKET, SO_ERROR, &so_error, &size);
@@ -295,10 +314,15 @@ Link Pull::connect_and_hello(uint64_t connection_id) {
     }
     if (!fd.valid())
         throw ConnectionLost{TransferFailure::kRefused,
-                             "connect: " + std::string(std::strerror(last_error))};
+                             "connect: " + std::string(std::strerror(last_error)),
+                             last_error == ETIMEDOUT};
+    // Every handshake step must hear from the server within the stall limit (a source that
+    // accepts in its kernel's backlog but never answers, e.g. a stopped process).
+    net::IoLimits handshake = limits(link);
+    handshake.stall_ms = stall_ms_;
     if (tls_ != nullptr) {
         const std::string failed =
-            tls::handshake(fd.get(), tls_, false, host_, limits(link), &link.session);
+            tls::handshake(fd.get(), tls_, false, host_, handshake, &link.session);
         if (!failed.empty())
             throw PullFailed{TransferFailure::kTls,
                              failed + " (is " + where_ + " serving without TLS, or with another CA?)"};
@@ -310,11 +334,12 @@ Link Pull::connect_and_hello(uint64_t connection_id) {
     frame::encode_header(hello, header);
     iovec iov[2] = {{header, sizeof header}, {const_cast<char*>(token_.data()), token_.size()}};
     int error = 0;
-    net::Io io = net::send_all(fd.get(), iov, 2, limits(link), &error);
-    if (io != net::Io::kOk) throw_io(io, error, "HELLO");
+    handshake.ssl = link.session.get();
+    net::Io io = net::send_all(fd.get(), iov, 2, handshake, &error);
+    if (io != net::Io::kOk) throw_io(io, error, "HELLO", true);
 
-    io = net::recv_all(fd.get(), header, sizeof header, limits(link), &error);
-    if (io != net::Io::kOk) throw_io(io, error, "HELLO reply");
+    io = net::recv_all(fd.get(), header, sizeof header, handshake, &error);
+    if (io != net::Io::kOk) throw_io(io, error, "HELLO reply", true);
     frame::Header reply;
     const frame::Status status = frame::decode_header(header, sizeof header, &reply);
     if (status != frame::Status::kOk)
@@ -344,7 +369,7 @@ void Pull::receive_frame(const Link& link, std::vector<InFlight>& in_flight,
     uint8_t raw[frame::kHeaderBytes];
     int error = 0;
     net::IoLimits l = limits(link);
-    l.stall_ms = kReceiveStallMs;
+    l.stall_ms = stall_ms_;
     net::Io io = net::recv_all(fd, raw, sizeof raw, l, &error);
     if (io != net::Io::kOk) throw_io(io, error, "receive");
     frame::Header h;
@@ -544,7 +569,8 @@ PullStats Pull::finish(Clock::time_point started) {
 PullStats pull(const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
                uint64_t source_offset, uint64_t length_bytes, uint8_t* dest, uint32_t streams,
                uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel,
-               const TlsFiles& tls, const std::function<void(uint64_t)>& on_prefix) {
+               const TlsFiles& tls, const std::function<void(uint64_t)>& on_prefix,
+               uint32_t stall_ms) {
     if (streams == 0) streams = kDefaultPullStreams;
     if (chunk_bytes == 0) chunk_bytes = kDefaultPullChunkBytes;
     if (streams > kMaxPullStreams)
@@ -571,7 +597,7 @@ PullStats pull(const std::string& host, uint16_t port, const std::string& token,
     ssl_ctx_st* tls_ctx = tls.enabled() ? tls::client_context(tls) : nullptr;
     Pull p(std::move(addresses), host, net::describe(host, port), token, tls_ctx, ticket,
            source_offset, dest, deadline, tls.enabled() ? tls.ca + '\n' + tls.cert : "",
-           on_prefix);
+           on_prefix, stall_ms == 0 ? kReceiveStallMs : int(std::min<uint32_t>(stall_ms, 1u << 30)));
     for (uint64_t offset = 0; offset < length_bytes; offset += chunk_bytes)
         p.add_chunk(source_offset + offset, std::min(chunk_bytes, length_bytes - offset));
     const uint64_t chunk_count = (length_bytes + chunk_bytes - 1) / chunk_bytes;

@@ -249,6 +249,22 @@ void test_timeout_and_cancel() {
     CHECK(elapsed >= 0.19 && elapsed < 5);  // kCancelled, not the 10 s timeout
 }
 
+// A source that accepts (in its kernel's backlog) but never answers HELLO, as a stopped or cut-off
+// process does, fails the pull after the stall limit: the rest of the deadline is left for
+// another replica.
+void test_unanswered_hello_fails_at_the_stall_limit() {
+    SilentListener silent;
+    std::vector<uint8_t> dest(8 << 20);
+    const auto start = Clock::now();
+    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kPeerClosed, [&] {
+        tc::pull("127.0.0.1", silent.port, kToken, 1, 0, dest.size(), dest.data(), 4, 0, 60'000,
+                 nullptr, {}, {}, /*stall_ms=*/300);
+    }));
+    const double elapsed = seconds_since(start);
+    std::printf("unanswered HELLO, stall 300 ms, failed after %.3f s\n", elapsed);
+    CHECK(elapsed >= 0.29 && elapsed < 30);  // no reconnects, nowhere near the 60 s deadline
+}
+
 void test_refused() {
     uint16_t port;
     {
@@ -507,6 +523,8 @@ int main() {
         {"rejections", test_rejections},
         {"rotating_tokens", test_rotating_tokens},
         {"timeout_and_cancel", test_timeout_and_cancel},
+        {"unanswered_hello_fails_at_the_stall_limit",
+         test_unanswered_hello_fails_at_the_stall_limit},
         {"refused", test_refused},
         {"server_stop_mid_pull", test_server_stop_mid_pull},
         {"server_protocol_errors", test_server_protocol_errors},

@@ -130,10 +130,14 @@ struct PullStats {
 // fails the pull (TransferFailure::kTls). `on_prefix`, if set, is called (from the pull's
 // threads, in increasing order) with the length of dest's prefix whose chunks have all been
 // verified: what a relay may already serve onward (DataServer::advance_growing).
+// A connection that hears nothing for `stall_ms` (0 = 10 s) while it awaits bytes is lost (the
+// others and reconnects carry on); one that gets no answer to connecting or HELLO in that time
+// is lost without a reconnect, so a frozen source fails the pull (kPeerClosed / kRefused) well
+// before the deadline and the caller can try another replica.
 PullStats pull(const std::string& host, uint16_t port, const std::string& token, uint64_t ticket,
                uint64_t source_offset, uint64_t length_bytes, uint8_t* dest, uint32_t streams,
                uint64_t chunk_bytes, uint32_t timeout_ms, const std::atomic<bool>* cancel,
                const TlsFiles& tls = {},
-               const std::function<void(uint64_t)>& on_prefix = {});
+               const std::function<void(uint64_t)>& on_prefix = {}, uint32_t stall_ms = 0);
 
 }  // namespace tc
