@@ -111,8 +111,12 @@ class Transfers:
 
     def open(self, content_id: str, ttl_ms: int, relay: bool = False) -> OpenedTicket:
         """A ticket on a content held here; with `relay`, also on one still being received
-        (waiting up to RELAY_START_WAIT_S for that pull to start)."""
-        ttl_ms = min(ttl_ms or DEFAULT_TICKET_TTL_MS, 10 * DEFAULT_TICKET_TTL_MS)
+        (waiting up to RELAY_START_WAIT_S for that pull to start).
+
+        It lasts `ttl_ms` (the puller asks for its own deadline), uncapped: a transfer may take
+        as long as its caller allows, and a ticket whose puller died is closed once idle for
+        TICKET_IDLE_S (`expire`)."""
+        ttl_ms = ttl_ms or DEFAULT_TICKET_TTL_MS
         self.expire()
         with self._lock:
             if len(self._tickets) >= MAX_TICKETS:

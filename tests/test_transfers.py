@@ -1,0 +1,69 @@
+"""Transfers' own bookkeeping (tickets, per-content prefetch gates), in process: a real data
+server over a small pool, and a stand-in node that holds whatever content it is asked for."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tensorcast.config import send_token
+from tensorcast.transport import native
+from tensorcast.worker.pool import Content
+from tensorcast.worker.transfers import Transfers
+
+POOL_BYTES = 1 << 20
+
+
+class _Node:
+    """What Transfers asks of a WorkerNode for tickets and already-present prefetches."""
+
+    name = "stand-in"
+    worker_id = "w-stand-in"
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.loading = threading.Event()  # set: load() blocks until `proceed` is set
+        self.proceed = threading.Event()
+
+    def load_and_hold(self, content_id: str) -> Content:
+        return Content(content_id, 0, 4096, (), time.time(), holds=1)
+
+    def load(self, content_id: str) -> Content:
+        if self.loading.is_set():
+            self.proceed.wait(30)
+        return self.load_and_hold(content_id)
+
+    @property
+    def pool(self) -> Any:
+        node = self
+
+        class _Pool:
+            def release(self, content: Content) -> None:
+                node.released.append(content.content_id)
+
+        return _Pool()
+
+
+@pytest.fixture
+def transfers() -> Iterator[Transfers]:
+    memory = mmap.mmap(-1, POOL_BYTES)
+    server = native.data_server("127.0.0.1", memory, send_token("secret"))
+    try:
+        yield Transfers(_Node(), server)  # type: ignore[arg-type]
+    finally:
+        server.stop()
+
+
+def test_a_ticket_lasts_as_long_as_its_puller_asks(transfers: Transfers) -> None:
+    # A transfer longer than 20 minutes used to lose its ticket at 20 minutes, from every source.
+    ttl_ms = 90 * 60 * 1000
+    opened = transfers.open("c1", ttl_ms)
+    left_s = transfers._tickets[opened.ticket].expires_at - time.monotonic()
+    assert left_s > 89 * 60
+    transfers.expire()
+    assert opened.ticket in transfers._tickets
