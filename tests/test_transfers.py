@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import wait_until
 
 from tensorcast.config import send_token
 from tensorcast.transport import native
@@ -67,3 +68,26 @@ def test_a_ticket_lasts_as_long_as_its_puller_asks(transfers: Transfers) -> None
     assert left_s > 89 * 60
     transfers.expire()
     assert opened.ticket in transfers._tickets
+
+
+def test_prefetch_gates_are_removed_when_the_last_caller_leaves(transfers: Transfers) -> None:
+    for i in range(50):
+        assert transfers.prefetch(f"c{i}", timeout_s=5, streams=1).already_present
+    assert transfers._inflight == {}
+
+    # Callers of the same content share one gate while any of them is in it.
+    node: _Node = transfers.node  # type: ignore[assignment]
+    node.loading.set()
+    callers = [
+        threading.Thread(target=transfers.prefetch, args=("shared", 30, 1)) for _ in range(3)
+    ]
+    for t in callers:
+        t.start()
+    wait_until(
+        lambda: "shared" in transfers._inflight and transfers._inflight["shared"].users == 3,
+        timeout_s=10,
+    )
+    node.proceed.set()
+    for t in callers:
+        t.join(30)
+    assert transfers._inflight == {}

@@ -75,6 +75,14 @@ class _Receiving:
     tickets: set[int] = field(default_factory=set)
 
 
+@dataclass
+class _Gate:
+    """One prefetch of a content at a time; removed when its last caller leaves."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0  # callers holding or waiting for `lock`
+
+
 @dataclass(frozen=True)
 class OpenedTicket:
     ticket: int
@@ -100,7 +108,7 @@ class Transfers:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # receiving started/ended, ticket closed
         self._receiving: dict[str, _Receiving] = {}
-        self._inflight: dict[str, threading.Lock] = {}
+        self._inflight: dict[str, _Gate] = {}
         self.bytes_received_total = 0
         node.active_transfers = self.active
         node.transfer_bytes_total = lambda: (
@@ -215,19 +223,27 @@ class Transfers:
         started = time.monotonic()
         deadline = started + timeout_s
         with self._lock:
-            gate = self._inflight.setdefault(content_id, threading.Lock())
-        # One pull per content at a time; a concurrent caller waits and finds it present.
-        if not gate.acquire(timeout=timeout_s):
-            raise DeadlineExceeded(f"prefetch of {content_id} did not finish in {timeout_s}s")
+            gate = self._inflight.setdefault(content_id, _Gate())
+            gate.users += 1
         try:
+            # One pull per content at a time; a concurrent caller waits and finds it present.
+            if not gate.lock.acquire(timeout=timeout_s):
+                raise DeadlineExceeded(f"prefetch of {content_id} did not finish in {timeout_s}s")
             try:
-                self.node.load(content_id)
-                return PrefetchResult(True, 0, self.node.worker_id, 0.0, 0)
-            except NotFound:
-                pass
-            return self._pull(content_id, started, deadline, streams, relay_from, chain)
+                try:
+                    self.node.load(content_id)
+                    return PrefetchResult(True, 0, self.node.worker_id, 0.0, 0)
+                except NotFound:
+                    pass
+                return self._pull(content_id, started, deadline, streams, relay_from, chain)
+            finally:
+                gate.lock.release()
         finally:
-            gate.release()
+            # A gate per content ever prefetched would grow without bound.
+            with self._lock:
+                gate.users -= 1
+                if gate.users == 0:
+                    del self._inflight[content_id]
 
     def _pull(
         self,
