@@ -133,6 +133,39 @@ def test_caller_without_a_worker_pulls_into_its_own_memory(pair):
         assert set(_replicas(rt, "direct")) == {"worker-1"}  # no worker was asked to copy
 
 
+def _corrupt_replica(pid: int, offset: int) -> None:
+    """Flip a byte of worker `pid`'s pool (its memfd) at `offset`, as bad memory would."""
+    fd_dir = f"/proc/{pid}/fd"
+    pool = next(
+        os.path.join(fd_dir, n)
+        for n in os.listdir(fd_dir)
+        if os.readlink(os.path.join(fd_dir, n)).startswith("/memfd:tensorcast-pool")
+    )
+    fd = os.open(pool, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_a_corrupt_replica_is_read_from_the_next_one(pair):
+    with pair.connect() as rt:
+        data = torch.randn(3 * MiB // 4)
+        art = rt.put({"w": data}, "bad-copy", worker="worker-1")
+        art.prefetch("worker-2")
+        bad = rt.resolve_worker("worker-1")
+        _, base, _ = rt.local_connection(bad).open(art.content_id)
+        _corrupt_replica(pair.pid("worker-1"), base)
+        # Read through the native client, the corrupt replica first.
+        rt.host_id = "elsewhere"
+        order = rt.read_sources
+        rt.read_sources = lambda info, workers=None: sorted(  # type: ignore[method-assign]
+            order(info, workers), key=lambda w: w.name != "worker-1"
+        )
+        assert torch.equal(rt.artifact("bad-copy").tensor_dict()["w"], data)
+
+
 def test_last_copies_spill_to_the_disk_tier_and_come_back(fresh_cluster, tmp_path):
     from conftest import wait_until
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unavailable
+from tensorcast.errors import (
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    TensorcastError,
+    Unavailable,
+)
 from tensorcast.model_dir import FILE_PREFIX
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.types import ArtifactInfo, TensorMeta, WorkerInfo
@@ -16,6 +22,9 @@ if TYPE_CHECKING:
     from tensorcast.sdk.runtime import Runtime
 
 SliceLike = slice | int | Sequence[slice]
+# Closing a transfer ticket after a read is a courtesy (it expires by itself): wait this long
+# at most, so a source that died after serving the bytes does not hold up the result.
+CLOSE_TRANSFER_TIMEOUT_S = 1.0
 # prefetch_chain's calls in flight at once (one thread each).
 MAX_CHAIN_THREADS = 64
 
@@ -107,7 +116,8 @@ class Artifact:
         for worker in sources:
             try:
                 tensors = self._materialize(worker, info, timeout_s)
-            except (NotFound, Unavailable) as e:  # replica just went away: try the next one
+            # The replica just went away, or arrived corrupt (a bad copy): try the next one.
+            except (NotFound, Unavailable, IntegrityError) as e:
                 errors.append(f"{worker.name}: {e}")
                 continue
             if device != "cpu":
@@ -119,7 +129,6 @@ class Artifact:
         self, worker: WorkerInfo, info: ArtifactInfo, timeout_s: float
     ) -> dict[str, torch.Tensor]:
         from tensorcast import tensors as tmod
-        from tensorcast.errors import IntegrityError
         from tensorcast.transport import native
 
         if self.runtime.is_local(worker):
@@ -146,7 +155,14 @@ class Artifact:
                 tls=self.runtime.tls,
             )
         finally:
-            stub.call("CloseTransfer", pb.CloseTransferRequest(ticket=ticket.ticket))
+            try:  # never in place of the pull's own result or error
+                stub.call(
+                    "CloseTransfer",
+                    pb.CloseTransferRequest(ticket=ticket.ticket),
+                    timeout_s=CLOSE_TRANSFER_TIMEOUT_S,
+                )
+            except TensorcastError:
+                pass
         view = memoryview(buffer)
         hashes = native.hash_buffers(
             [view[t.offset_bytes : t.offset_bytes + t.size_bytes] for t in info.tensors]
