@@ -1,5 +1,6 @@
 """Transfers' own bookkeeping (tickets, per-content prefetch gates), in process: a real data
-server over a small pool, and a stand-in node that holds whatever content it is asked for."""
+server over a small pool, and a stand-in node that holds whatever content it is asked for. And
+the worker node's commit of a pulled replica while the Global Store is unreachable."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from conftest import wait_until
 
 from tensorcast.config import send_token
 from tensorcast.transport import native
-from tensorcast.worker.pool import Content
+from tensorcast.types import TensorMeta
+from tensorcast.worker.node import WorkerNode
+from tensorcast.worker.pool import Content, Pool
 from tensorcast.worker.transfers import Transfers
 
 POOL_BYTES = 1 << 20
@@ -91,3 +94,17 @@ def test_prefetch_gates_are_removed_when_the_last_caller_leaves(transfers: Trans
     for t in callers:
         t.join(30)
     assert transfers._inflight == {}
+
+
+def test_a_verified_replica_outlives_a_store_outage_at_commit() -> None:
+    # Nothing listens on port 1: every store call fails as during an outage.
+    node = WorkerNode(Pool(POOL_BYTES), "127.0.0.1:1", "secret", "w", (), rpc_timeout_s=2.0)
+    data = bytes(range(256)) * 16
+    res = node.reserve(len(data))
+    node.pool.view[res.offset : res.offset + len(data)] = data
+    meta = TensorMeta("w", "U8", (len(data),), len(data), 0, native.hash_buffer(data))
+    committed = node.commit(
+        res.reservation_id, [meta], verify_hashes=True, replica=True, content_id="c-pulled"
+    )
+    # Kept, for the next heartbeat to report, instead of dropped and pulled again.
+    assert node.pool.stats().content_ids == [committed.content_id]

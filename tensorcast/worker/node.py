@@ -435,16 +435,30 @@ class WorkerNode:
                     )
             # Register even a local duplicate: the store may have forgotten it (deleted, not
             # yet dropped here), and AddReplica is idempotent.
-            self.store.call(
-                "AddReplica",
-                pb.AddReplicaRequest(
-                    worker_id=self.worker_id,
-                    content_id=content.content_id,
-                    size_bytes=content.size_bytes,
-                    tensors=[tensor_to_pb(t) for t in content.tensors],
-                ),
-            )
-            registered = True
+            try:
+                self.store.call(
+                    "AddReplica",
+                    pb.AddReplicaRequest(
+                        worker_id=self.worker_id,
+                        content_id=content.content_id,
+                        size_bytes=content.size_bytes,
+                        tensors=[tensor_to_pb(t) for t in content.tensors],
+                    ),
+                )
+                registered = True
+            except (Unavailable, DeadlineExceeded) as e:
+                if not replica:
+                    raise
+                # A verified copy of content the store already knows: throwing it away would
+                # cost a pull from every source. Marked registered, the heartbeats report it,
+                # so the store lists this replica once it answers again.
+                registered = True
+                log.warning(
+                    "kept replica %s unregistered (the store will hear of it with the next "
+                    "heartbeat): %s",
+                    content.content_id,
+                    e,
+                )
         finally:
             self.pool.end_registration(content.content_id, registered)
             if not registered and not result.deduplicated:
