@@ -4,12 +4,13 @@ its bytes; written to a temporary name, fsynced and renamed, so a crash leaves n
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
 from pathlib import Path
 
-from tensorcast.errors import NotFound
+from tensorcast.errors import NotFound, ResourceExhausted
 from tensorcast.transport import native
 from tensorcast.types import TensorMeta
 
@@ -31,12 +32,21 @@ class DiskTier:
         # A name of its own: two threads spilling one content (a spill and a persist) each
         # write a whole file and the second rename wins, instead of sharing one temporary.
         tmp = self.directory / f"{content_id}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(header.encode() + b"\n")
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path(content_id))
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header.encode() + b"\n")
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(content_id))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)  # a partial file would only take more of the disk
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted(
+                    f"disk tier {self.directory} is full ({e.strerror}): free space there or "
+                    "give the worker more memory"
+                ) from None
+            raise
 
     def layout(self, content_id: str) -> tuple[int, int, tuple[TensorMeta, ...]]:
         """(data offset in the file, size, tensors) of a spilled content."""

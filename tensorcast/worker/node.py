@@ -298,13 +298,29 @@ class WorkerNode:
         except BaseException:
             self.pool.abort(res.reservation_id)
             raise
-        self.commit(
-            res.reservation_id,
-            list(tensors),
-            verify_hashes=True,
-            replica=True,
-            content_id=content_id,
-        )
+        try:
+            self.commit(
+                res.reservation_id,
+                list(tensors),
+                verify_hashes=True,
+                replica=True,
+                content_id=content_id,
+            )
+        except IntegrityError as e:  # the reservation is freed already
+            # A spill file gone bad is no replica: forget it, so a prefetch here pulls the
+            # content from a peer and readers go to the other replicas.
+            log.warning("spilled content %s is corrupt on disk, deleted: %s", content_id, e)
+            self.disk.delete(content_id)
+            try:
+                self.store.call(
+                    "RemoveReplica",
+                    pb.RemoveReplicaRequest(
+                        worker_id=self.worker_id, content_id=content_id, tier="disk"
+                    ),
+                )
+            except TensorcastError:
+                pass  # the next heartbeat no longer reports it
+            raise NotFound(f"content {content_id} was corrupt on this worker's disk tier") from e
         self.disk.delete(content_id)
         log.info("loaded content %s back from disk", content_id)
         self._moved_tier(content_id, old_tier="disk")
