@@ -113,17 +113,22 @@ class Artifact:
             self.prefetch(local[0], timeout_s=timeout_s)
             sources = [local[0]]
         errors: list[str] = []
+        corrupt = 0
         for worker in sources:
             try:
                 tensors = self._materialize(worker, info, timeout_s)
             # The replica just went away, or arrived corrupt (a bad copy): try the next one.
             except (NotFound, Unavailable, IntegrityError) as e:
                 errors.append(f"{worker.name}: {e}")
+                corrupt += isinstance(e, IntegrityError)
                 continue
             if device != "cpu":
                 tensors = {k: v.to(device) for k, v in tensors.items()}
             return tensors
-        raise Unavailable(f"no replica of {self.art_id!r} could be read: {'; '.join(errors)}")
+        detail = "; ".join(errors)
+        if errors and corrupt == len(errors):  # every copy is bad: no retry will help
+            raise IntegrityError(f"no replica of {self.art_id!r} is intact: {detail}")
+        raise Unavailable(f"no replica of {self.art_id!r} could be read: {detail}")
 
     def _materialize(
         self, worker: WorkerInfo, info: ArtifactInfo, timeout_s: float

@@ -155,26 +155,39 @@ class WeightPublisher:
             info = VersionInfo(self.model, version, published_at, tensors)
         except AlreadyExists:
             # A retry (the first call's outcome unknown) of the same weights is that version;
-            # other weights under the name are refused.
-            info = read_version(self.rt, self.model, version)
-            if {n: t["hash"] for n, t in info.tensors.items()} != {
-                n: t["hash"] for n, t in tensors.items()
-            }:
+            # other weights under the name, or an id of it taken by other content, are refused.
+            existing = self._same_version(version, tensors)
+            if existing is None:
                 raise
+            info = existing
         try:
             self.collect()
         except TensorcastError as e:  # the version is published: collecting waits for the next
             log.warning("collecting old versions of %s failed: %s", self.model, e)
         return info
 
+    def _same_version(self, version: str, tensors: dict[str, dict]) -> VersionInfo | None:
+        """`version` as published, if it holds exactly `tensors` (by hash)."""
+        try:
+            info = read_version(self.rt, self.model, version)
+        except NotFound:
+            return None
+        same = {n: t["hash"] for n, t in info.tensors.items()} == {
+            n: t["hash"] for n, t in tensors.items()
+        }
+        return info if same else None
+
     def collect(self) -> list[str]:
         """Delete all but the newest `keep_last` versions; returns the deleted versions. One
         listing, a read of each manifest past the newest `keep_last` and one delete request,
         manifests first (a version is never half-visible). Artifacts under the model's name
         that are no version (no manifest) are neither counted nor deleted."""
+        names = _manifests(self.rt, self.model)
+        if len(names) <= self.keep_last:
+            return []  # nothing to collect: no manifest read
         kept = 0
         doomed: list[VersionInfo] = []
-        for name in reversed(_manifests(self.rt, self.model)):
+        for name in reversed(names):
             try:
                 info = read_version(self.rt, self.model, name)
             except NotFound:
