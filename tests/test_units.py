@@ -304,7 +304,11 @@ def test_store_addresses_are_a_list_of_host_ports():
 
 
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=20,
 )
@@ -318,6 +322,14 @@ def test_cli_json_text_is_the_same_json(value):
     from tensorcast.cli.common import json_text
 
     assert json.loads(json_text(value)) == value
+
+
+def test_cli_json_text_refuses_what_json_cannot_say():
+    from tensorcast.cli.common import json_text
+
+    for bad in (float("inf"), {"expires_at": float("-inf")}, [1, float("nan")]):
+        with pytest.raises(ValueError):
+            json_text(bad)
 
 
 def test_cli_json_text_puts_each_listed_item_on_its_own_line():
