@@ -216,6 +216,21 @@ def test_tier_index_evicts_idle_lru_never_held_and_frees_once():
     assert index.stats().used_bytes == 7 * 4096 and index.stats().holds == 1  # d + 3 pages
 
 
+def test_tier_index_gives_up_cleanly_when_only_fragments_or_rounded_regions_fit():
+    freed: list[str] = []
+    index = TierIndex(3 * 4096, lambda e: freed.append(e.content_id))
+    a, b, c = (_entry(cid, 4096, index) for cid in "abc")
+    index.release(a)
+    index.release(c)  # a and c idle around a held b: two free pages, never contiguous
+    with pytest.raises(tc.ResourceExhausted, match="GPU tier full"):
+        index.reserve(2 * 4096)
+    assert freed == ["a", "c"] and index.content_ids() == ["b"]
+    index.release(b)
+    small = TierIndex(2 * 4096, lambda e: None)
+    index.release(_entry("one-byte", 1, small))  # holds a whole page of the two
+    assert small.reserve(2 * 4096) == 0  # evicting it makes room: counted by its region
+
+
 # -- on a GPU --------------------------------------------------------------------------------------
 
 

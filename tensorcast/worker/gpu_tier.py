@@ -106,7 +106,10 @@ class TierIndex:
                     except ResourceExhausted:
                         idle = [e for e in self._entries.values() if e.holds == 0]
                         free = self.capacity_bytes - self.allocator.used_bytes
-                        if free + sum(e.size_bytes for e in idle) < size_bytes:  # no use trying
+                        # What evicting every idle entry frees: their whole (page-rounded)
+                        # regions. Nothing idle left (a fragmented tier): give up too.
+                        freeable = sum(self.allocator.size_of(e.offset) for e in idle)
+                        if not idle or free + freeable < size_bytes:
                             raise ResourceExhausted(
                                 f"GPU tier full: {size_bytes} bytes wanted, "
                                 f"{self.capacity_bytes - self.allocator.used_bytes} free of "
