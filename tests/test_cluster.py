@@ -93,6 +93,26 @@ def test_up_twice_status_and_down(tmp_path):
     assert proc.returncode == tc.Unavailable.exit_code and "tc up" in proc.stdout
 
 
+def test_down_says_which_processes_it_had_to_kill(tmp_path):
+    from conftest import Cluster
+
+    c = Cluster(tmp_path / "state", None)  # type: ignore[arg-type]
+    up = json.loads(c.tc("up", "--workers", "1", "--mem", "32MiB", "--json", check=True).stdout)
+    worker = next(p for p in up["processes"] if p["name"] == "worker-1")
+    os.kill(worker["pid"], signal.SIGSTOP)  # a worker that does not stop in time
+    try:
+        proc = c.tc("down", "--timeout", "1", "--json")
+    finally:
+        try:
+            os.kill(worker["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 1 and "killed worker-1" in proc.stderr
+    down = json.loads(proc.stdout)
+    assert [p["name"] for p in down["killed"]] == ["worker-1"] and len(down["stopped"]) == 2
+    wait_until(lambda: _gone(worker["pid"]), 30)
+
+
 def _installed_copy(root: Path) -> Path:
     """A venv where tensorcast is an installed copy (as `pip install .` leaves it), not the
     editable source tree; its other packages come from this venv. Returns its `tc` script."""

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import psutil
 
-from tensorcast.config import DEFAULT_WORKER_MEM
+from tensorcast.config import DEFAULT_WORKER_MEM, parse_size
 from tensorcast.errors import InvalidArgument, NotFound, TensorcastError, Unavailable
 from tensorcast.sdk.cluster_file import ClusterRecord, ProcessRecord, read_token, write_token
 
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 60.0  # a worker with a disk tier writes its memory out first
+STOP_TIMEOUT_S = 60.0
+# A worker with a disk tier writes its memory out before it exits: `tc down` gives the
+# workers of such a cluster this much more per byte of their pools (which share one disk).
+PERSIST_BYTES_PER_S = 100 * 1024 * 1024
 LAYOUT_FILE = "layout.json"
 HA_ETCD_MEMBERS = 3
 HA_STORES = 2
@@ -392,26 +395,49 @@ def _extra_local_workers(state_dir: Path, record: ClusterRecord) -> list[Process
         return []  # the store is gone: nothing more to learn
 
 
-def down(state_dir: Path) -> list[ProcessRecord]:
+def stop_timeout_s(layout: Layout) -> float:
+    """How long `tc down` waits for the workers before killing them."""
+    if not layout.disk:
+        return STOP_TIMEOUT_S
+    pools = layout.workers * parse_size(layout.mem)
+    return STOP_TIMEOUT_S + pools / PERSIST_BYTES_PER_S
+
+
+def down(
+    state_dir: Path, timeout_s: float | None = None
+) -> tuple[list[ProcessRecord], list[ProcessRecord]]:
     """Stop the cluster's processes on this host (workers, then stores, then etcd members);
-    returns them."""
+    returns them, and those that had to be killed (SIGKILL after `timeout_s`, by default
+    `stop_timeout_s` for workers and STOP_TIMEOUT_S for the others): a disk-tier worker
+    killed may not have saved all it held."""
     with _state_lock(state_dir):
         record = ClusterRecord.load(state_dir)
         if record is None:
-            return []
+            return [], []
+        worker_timeout_s = timeout_s or stop_timeout_s(Layout.load(state_dir))
         ordered = _extra_local_workers(state_dir, record) + record.processes
-        stopped = []
+        stopped: list[ProcessRecord] = []
+        killed: list[ProcessRecord] = []
         for role in ("worker", "store", "etcd"):
             group = [p for p in ordered if p.role == role]
             live = [p for p in group if _is_ours(p.pid)]
             for p in live:
-                os.kill(p.pid, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
+                _signal(p.pid, signal.SIGTERM)
+            wait_s = worker_timeout_s if role == "worker" else timeout_s or STOP_TIMEOUT_S
+            deadline = time.monotonic() + wait_s
             for p in live:
                 if not _wait_exit(p.pid, max(0.1, deadline - time.monotonic())):
-                    os.kill(p.pid, signal.SIGKILL)
+                    _signal(p.pid, signal.SIGKILL)
+                    killed.append(p)
             stopped.extend(live)
         (state_dir / "cluster.json").unlink(missing_ok=True)
         for f in (state_dir / "run").glob("*.json"):
             f.unlink()
-        return stopped
+        return stopped, killed
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # it exited meanwhile
