@@ -93,6 +93,31 @@ def test_up_twice_status_and_down(tmp_path):
     assert proc.returncode == tc.Unavailable.exit_code and "tc up" in proc.stdout
 
 
+def test_up_in_a_state_dir_never_takes_the_default_state_dirs_tls(tmp_path):
+    """Processes of `tc up --state-dir B` resolved their state dir (TLS files, token) as the
+    default one: a TLS cluster's certificates there made B's plaintext cluster unusable."""
+    from conftest import Cluster
+
+    from tensorcast.sdk.tls_certs import local_cluster_tls
+
+    local_cluster_tls(tmp_path / "default")  # the default state dir holds a TLS cluster's
+    c = Cluster(tmp_path / "b", None)  # type: ignore[arg-type]
+    env = {"TC_STATE_DIR": str(tmp_path / "default")}
+    try:
+        c.tc("up", "--workers", "1", "--mem", "32MiB", check=True, env=env)
+        c.tc("put", "plain", str(_tiny_file(tmp_path)), check=True, env=env)
+        assert "plain" in c.tc("ls", check=True, env=env).stdout
+    finally:
+        c.tc("down", env=env)
+
+
+def _tiny_file(tmp_path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(4)}, str(tmp_path / "tiny.safetensors"))
+    return tmp_path / "tiny.safetensors"
+
+
 def test_down_says_which_processes_it_had_to_kill(tmp_path):
     from conftest import Cluster
 

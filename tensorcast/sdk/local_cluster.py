@@ -326,9 +326,8 @@ def _start_store(
     if not (listens and workers_live):
         listens.append(f"{listen_host}:0")
     for i, listen in enumerate(listens):
-        proc = _spawn(
-            ["store", "start", *records, *extra_args, "--listen", listen], log, token, ready
-        )
+        args = ["store", "start", *records, *extra_args, "--listen", listen]
+        proc = _spawn([*args, "--state-dir", str(state_dir)], log, token, ready)
         spawned.append(proc)
         try:
             info = _wait_ready(proc, ready, log)
@@ -353,7 +352,9 @@ def _start_worker(
 ) -> tuple[str, subprocess.Popen, Path, Path]:
     log = state_dir / "logs" / f"{name}.log"
     ready = state_dir / "run" / f"{name}.json"
-    proc = _spawn(["worker", "start", *args, "--name", name], log, token, ready)
+    # --state-dir: a child must not find its TLS files (or token) in the default state dir.
+    args = ["worker", "start", *args, "--name", name, "--state-dir", str(state_dir)]
+    proc = _spawn(args, log, token, ready)
     spawned.append(proc)
     return name, proc, ready, log
 
