@@ -69,3 +69,5 @@ def test_load_model_generates_like_from_pretrained(cluster, tiny_llama, tp_size)
     assert result["tensorcast"] == result["reference"]
     assert len(result["reference"]) == 4 + 12
     assert result["zero_copy"] == (tp_size == 1)  # reassembled TP shards are new tensors
+    with cluster.connect() as rt:  # the TP-rank views were the load's own: none is left
+        assert [a.art_id for a in rt.list_artifacts("tiny-llama@v1/")] == []

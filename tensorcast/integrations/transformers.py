@@ -12,6 +12,7 @@ a copy made from the pool by chunked host-to-device DMA.
 from __future__ import annotations
 
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     import torch
 
     from tensorcast.sdk.runtime import Runtime
+
+VIEW_TTL_S = 600.0  # a TP-rank view lives this long if its load dies before deleting it
 
 
 def load_model(
@@ -87,10 +90,18 @@ def _reassembled(art: Any, tp_size: int, device: str = "cpu") -> dict[str, torch
 
     shapes = [(t.name, t.shape) for t in art.info.tensors]
     parts = []
+    # Each load's views are its own (another load may be deleting its views right now) and
+    # leased (a load that dies leaves nothing for ever); deleted once read: the tensors read
+    # keep their bytes while they live.
+    load_id = uuid.uuid4().hex[:12]
     for rank in range(tp_size):
         plan = shard_plan(shapes, rank, tp_size)
-        view = art.view(plan, f"{art.art_id}/tp{rank}-of-{tp_size}")
-        parts.append((plan, view.tensor_dict(device)))
+        name = f"{art.art_id}/tp{rank}-of-{tp_size}/{load_id}"
+        view = art.view(plan, name, ttl_s=VIEW_TTL_S)
+        try:
+            parts.append((plan, view.tensor_dict(device)))
+        finally:
+            art.runtime.delete(name)
     state = {}
     for name in parts[0][1]:
         index = parts[0][0].get(name)

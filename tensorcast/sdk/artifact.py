@@ -14,7 +14,7 @@ from tensorcast.errors import (
 )
 from tensorcast.model_dir import FILE_PREFIX
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.types import ArtifactInfo, TensorMeta, WorkerInfo
+from tensorcast.types import OWNER_LEASE, ArtifactInfo, TensorMeta, WorkerInfo
 
 if TYPE_CHECKING:
     import torch
@@ -307,9 +307,10 @@ class Artifact:
             "Pin", pb.PinRequest(content_id=self.content_id, pinned=False)
         )
 
-    def view(self, slices: Mapping[str, SliceLike], name: str) -> Artifact:
+    def view(self, slices: Mapping[str, SliceLike], name: str, ttl_s: float = 0.0) -> Artifact:
         """A derived artifact `name`: every tensor, those named in `slices` sliced by the worker
-        holding the data (basic indexing: an int or slice for dim 0, or a sequence of slices)."""
+        holding the data (basic indexing: an int or slice for dim 0, or a sequence of slices).
+        Owned like this artifact, or caller-leased for `ttl_s` when given."""
         meta = self.tensor_meta()
         specs = []
         for tensor, index in slices.items():
@@ -326,9 +327,11 @@ class Artifact:
             except (NotFound, Unavailable) as e:
                 last = e
                 continue
-            return self.runtime._name(
-                name, reply.content_id, info.owner, _remaining_ttl(info), self.art_id
-            )
+            if ttl_s:
+                owner, ttl = OWNER_LEASE, ttl_s
+            else:
+                owner, ttl = info.owner, _remaining_ttl(info)
+            return self.runtime._name(name, reply.content_id, owner, ttl, self.art_id)
         assert last is not None
         raise last
 
