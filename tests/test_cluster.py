@@ -118,6 +118,31 @@ def _tiny_file(tmp_path: Path) -> Path:
     return tmp_path / "tiny.safetensors"
 
 
+def test_down_never_signals_a_recycled_pid(tmp_path):
+    """A state dir whose record names a pid now used by another cluster's worker (a reboot
+    recycled it): `tc down` there leaves that worker alone."""
+    from conftest import Cluster
+
+    from tensorcast.sdk import local_cluster
+
+    a = Cluster(tmp_path / "a", None)  # type: ignore[arg-type]
+    up = json.loads(a.tc("up", "--workers", "1", "--mem", "32MiB", "--json", check=True).stdout)
+    try:
+        record = json.loads((tmp_path / "a" / "cluster.json").read_text())
+        worker = next(p for p in record["processes"] if p["name"] == "worker-1")
+        assert worker["started_at"] > 0
+        stale = dict(record, processes=[dict(worker, started_at=worker["started_at"] - 3600)])
+        (tmp_path / "b").mkdir()
+        (tmp_path / "b" / "cluster.json").write_text(json.dumps(stale))
+        stopped, killed = local_cluster.down(tmp_path / "b", timeout_s=5)
+        assert stopped == [] and killed == []
+        assert not _gone(worker["pid"])
+        assert json.loads(a.tc("status", "--json", check=True).stdout)["healthy"]
+    finally:
+        a.tc("down")
+    assert {p["name"] for p in up["processes"]} == {"store", "worker-1"}
+
+
 def test_down_says_which_processes_it_had_to_kill(tmp_path):
     from conftest import Cluster
 

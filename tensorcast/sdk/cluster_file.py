@@ -20,6 +20,9 @@ class ProcessRecord:
     log: str
     metrics_addr: str = ""
     frame_port: int = 0  # a store's frame port (0: none, or not recorded)
+    # When the process started (psutil's create_time; 0: not recorded): a pid recycled by
+    # another process after a reboot is not this one.
+    started_at: float = 0.0
 
 
 @dataclass

@@ -41,11 +41,15 @@ def _state_lock(state_dir: Path) -> Iterator[None]:
         yield
 
 
-def _is_ours(pid: int) -> bool:
+def _is_ours(pid: int, started_at: float = 0.0) -> bool:
     """A live TensorCast process (started as `tc ...`, `tensorcast ...` or `-m tensorcast...`),
-    so a recycled pid is never signalled."""
+    and the one started at `started_at` when known, so a recycled pid is never signalled (nor
+    adopted), even by another cluster's process."""
     try:
-        cmdline = psutil.Process(pid).cmdline()
+        process = psutil.Process(pid)
+        cmdline = process.cmdline()
+        if started_at and abs(process.create_time() - started_at) > 1.0:
+            return False
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
     if cmdline and os.path.basename(cmdline[0]) == "etcd":  # a member of an --ha cluster
@@ -54,6 +58,13 @@ def _is_ours(pid: int) -> bool:
         os.path.basename(arg) in ("tc", "tensorcast") or arg.startswith("tensorcast.")
         for arg in cmdline[:3]
     )
+
+
+def _started_at(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0  # gone already: `tc up` reports it failing to start
 
 
 def _wait_exit(pid: int, timeout_s: float) -> bool:
@@ -187,7 +198,11 @@ def up(
         layout.mem = mem or layout.mem
         layout.disk = str(disk.resolve()) if disk else layout.disk
         previous = ClusterRecord.load(state_dir)
-        live = {p.name: p for p in (previous.processes if previous else []) if _is_ours(p.pid)}
+        live = {
+            p.name: p
+            for p in (previous.processes if previous else [])
+            if _is_ours(p.pid, p.started_at)
+        }
         etcd_names = [f"etcd-{i + 1}" for i in range(HA_ETCD_MEMBERS)] if layout.ha else []
         names = etcd_names + layout.store_names()
         names += [f"worker-{i + 1}" for i in range(layout.workers)]
@@ -253,7 +268,13 @@ def up(
                 result.started.append(name)
                 result.record.processes.append(
                     ProcessRecord(
-                        "worker", name, proc.pid, info["addr"], str(log), info["metrics_addr"]
+                        "worker",
+                        name,
+                        proc.pid,
+                        info["addr"],
+                        str(log),
+                        info["metrics_addr"],
+                        started_at=_started_at(proc.pid),
                     )
                 )
             result.record.save(state_dir)
@@ -295,7 +316,9 @@ def _up_etcd(
         procs.append(proc)
         result.started.append(m.name)
         result.record.processes.append(
-            ProcessRecord("etcd", m.name, proc.pid, m.client_addr, str(log))
+            ProcessRecord(
+                "etcd", m.name, proc.pid, m.client_addr, str(log), started_at=_started_at(proc.pid)
+            )
         )
     local_etcd.wait_healthy(members, procs, log)
     return [m.client_addr for m in members]
@@ -343,6 +366,7 @@ def _start_store(
             str(log),
             info["metrics_addr"],
             info["frame_port"],
+            _started_at(proc.pid),
         )
     raise AssertionError("unreachable")
 
@@ -421,7 +445,7 @@ def down(
         killed: list[ProcessRecord] = []
         for role in ("worker", "store", "etcd"):
             group = [p for p in ordered if p.role == role]
-            live = [p for p in group if _is_ours(p.pid)]
+            live = [p for p in group if _is_ours(p.pid, p.started_at)]
             for p in live:
                 _signal(p.pid, signal.SIGTERM)
             wait_s = worker_timeout_s if role == "worker" else timeout_s or STOP_TIMEOUT_S
