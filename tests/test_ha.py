@@ -18,6 +18,7 @@ import torch
 from conftest import Cluster, wait_until
 
 import tensorcast as tc
+from tensorcast.sdk.cluster_file import read_token
 
 # The issue's goal is failover within 3 s; a test on a loaded CI machine checks a loose bound and
 # prints the measured gap (scripts/bench/store.py measures failover repeatedly).
@@ -189,6 +190,33 @@ def test_store_restart_on_etcd_with_workers_alive_lists_every_replica_again(ha):
             assert torch.equal(
                 rt.artifact(f"kept-{i}").tensor_dict()["w"], torch.full((8,), float(i))
             )
+
+
+def test_tc_up_ha_after_one_that_failed_half_way_starts(tmp_path, monkeypatch):
+    """The first `tc up --ha` dies after its etcd members wrote their data dirs (here: the
+    stores fail to start): the next one starts those same members, not new ones that the
+    old data dirs would never let form a quorum."""
+    from tensorcast.sdk import local_cluster
+
+    state = tmp_path / "state"
+    start_store = local_cluster._start_store
+
+    def fails(*args, **kwargs):
+        raise tc.Unavailable("the store did not start (test)")
+
+    monkeypatch.setattr(local_cluster, "_start_store", fails)
+    with pytest.raises(tc.Unavailable, match="did not start"):
+        local_cluster.up(state, 1, "32MiB", ha=True)
+    assert any((state / "etcd").iterdir())  # the members' data dirs stay
+    monkeypatch.setattr(local_cluster, "_start_store", start_store)
+    monkeypatch.setattr("tensorcast.sdk.local_etcd.START_TIMEOUT_S", 30.0)
+    try:
+        result = local_cluster.up(state, 1, "32MiB", ha=True)
+        with tc.connect(result.record.store_addr, read_token(state)) as rt:
+            rt.put({"w": torch.ones(2)}, "after-a-failed-up")
+            assert rt.info("after-a-failed-up").art_id == "after-a-failed-up"
+    finally:
+        local_cluster.down(state)
 
 
 def test_ha_needs_a_fresh_state_dir(tmp_path):

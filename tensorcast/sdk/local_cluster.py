@@ -303,6 +303,9 @@ def _up_etcd(
         members = local_etcd.plan_members(HA_ETCD_MEMBERS, listen_host, state_dir / "etcd")
         layout.etcd = [asdict(m) for m in members]
         layout.etcd_token = local_etcd.cluster_token()
+        # Saved before any member starts: a member's data dir holds its peers' addresses, so
+        # a `tc up` after a failed one must start the same members, not plan new ones.
+        layout.save(state_dir)
     members = [local_etcd.EtcdMember.from_json(m) for m in layout.etcd]
     log = state_dir / "logs" / "etcd.log"
     procs = []
