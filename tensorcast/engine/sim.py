@@ -898,6 +898,10 @@ class SimEngine(InstanceAdaptor):
             one_block = count == 1 and hasattr(page, "data_ptr")
             addresses.extend([page.data_ptr() if one_block else 0] * count)
         with self._cv:
+            if self._resident_with(req_id, tokens):
+                # This KV is resident already: the attempt completed from parts parked before
+                # (a retry after a cut-off) while this copy of a part was on its way.
+                return True
             self._check_absent(req_id)
             lent = [self._lent.pop(a, None) for a in addresses]  # filled in place
             fresh = iter(self.cache.take_buffers(lent.count(None)))
@@ -962,6 +966,16 @@ class SimEngine(InstanceAdaptor):
         if not _is_int(migrations) or migrations < 0:
             raise InvalidArgument("meta 'migrations' must be an int >= 0")
         return tokens, keys, blocks, per_page, migrations
+
+    def _resident_with(self, req_id: str, tokens: list[int]) -> bool:
+        record = self._sessions.get(req_id)
+        return (
+            record is not None
+            and not record.busy
+            and record.tokens == tokens
+            and bool(record.keys)
+            and record.keys[0] in self.cache
+        )
 
     def _check_absent(self, req_id: str) -> None:
         record = self._sessions.get(req_id)
