@@ -106,6 +106,12 @@ def test_gpu_prefetch_to_a_worker_without_tier_says_so(rt, cluster):
     with pytest.raises(tc.InvalidArgument, match="has no GPU tier"):
         art.prefetch("worker-1", device="cuda")
     assert on_device.tier_of(rt, rt.resolve_worker("worker-2")) is None
+    # A worker gone but still listed alive has no tier to offer, this time: not an error
+    # that fails every read (nor remembered as tierless).
+    from dataclasses import replace
+
+    gone = replace(rt.resolve_worker("worker-1"), worker_id="gone", local_socket="no-such")
+    assert on_device.tier_of(rt, gone) is None and "gone" not in on_device._tiers
     proc = cluster.tc("prefetch", "cuda/notier@v1", "--to", "worker-1", "--device", "cuda")
     assert proc.returncode == 3 and "no GPU tier" in proc.stderr
     proc = cluster.tc("prefetch", "cuda/notier@v1", "--to", "worker-1", "--device", "tpu:0")

@@ -86,6 +86,8 @@ def tier_of(rt: Runtime, worker: WorkerInfo) -> TierInfo | None:
         )
     except (NotFound, InvalidArgument):
         tier = None  # started without --gpu-mem (or a worker that predates GPU tiers)
+    except Unavailable:
+        return None  # gone, though still listed alive: no tier this time (not remembered)
     with _tiers_lock:
         _tiers[worker.worker_id] = tier
     return tier
