@@ -192,6 +192,22 @@ def _without_layer_1(export: KVExport) -> KVExport:
     return KVExport(pages, {**export.meta, "num_layers": 1, "pages": listed})
 
 
+def test_kv_of_other_weights_is_refused_until_the_weights_match(model):
+    """Two fine-tunes of one architecture: equal shapes, other weights. KV made by one is not
+    the other's (its continuation would silently differ from a recompute)."""
+    source, other = HFEngine(model, page_tokens=7), HFEngine(tiny_llama(seed=5), page_tokens=7)
+    source.generate("r", prompt(12, seed=3), 3)
+    export = source.export_kv("r")
+    with pytest.raises(InvalidArgument, match="weights"):
+        other.import_kv("r", export)
+    assert other.load().requests == ()
+    with torch.no_grad():  # a weight sync writes the same weights in place: now it fits
+        for name, p in other.model.named_parameters():
+            p.copy_(dict(model.named_parameters())[name])
+    other.import_kv("r", export)
+    assert other.generate("r", None, 4) == source.generate("r", None, 4)
+
+
 def _replace_page(export: KVExport, name: str, page) -> KVExport:
     return KVExport({**export.pages, name: page}, export.meta)
 

@@ -15,6 +15,7 @@ Locking: `_model_lock` serialises model execution and every change to a request'
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from tensorcast.adaptors import InstanceAdaptor, InstanceLoad, KVExport
 from tensorcast.errors import AlreadyExists, InvalidArgument, NotFound
 
 META_FORMAT = 1
+FINGERPRINT_SAMPLES = 4096  # values per parameter in weights_fingerprint
 
 
 @dataclass
@@ -132,6 +134,20 @@ class HFEngine(InstanceAdaptor):
                         del self._requests[req_id]
                 raise
 
+    def weights_fingerprint(self) -> str:
+        """Names, shapes, dtypes and a strided sample of every parameter's values: two models
+        with the same architecture but other weights (two fine-tunes) differ here, and KV made
+        by one would be accepted by the other as its own. Computed each time (a weight sync
+        writes parameters in place); a few thousand values per parameter."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name, p in sorted(self.model.named_parameters()):
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+            sample = flat[::step][:FINGERPRINT_SAMPLES].to("cpu", torch.float32)
+            digest.update(f"{name}:{list(p.shape)}:{p.dtype}:".encode())
+            digest.update(sample.numpy().tobytes())
+        return digest.hexdigest()
+
     def export_kv(self, req_id: str) -> KVExport:
         with self._model_lock:
             request = self._resident(req_id)
@@ -149,6 +165,7 @@ class HFEngine(InstanceAdaptor):
                 "format": META_FORMAT,
                 "engine": self.engine,
                 "model": self.model_name,
+                "weights": self.weights_fingerprint(),
                 "tokens": list(request.tokens),
                 "cache_tokens": request.cached,
                 "num_layers": self.num_layers,
@@ -257,6 +274,9 @@ class HFEngine(InstanceAdaptor):
         if self.max_positions is not None and len(tokens) > self.max_positions:
             raise InvalidArgument(f"{len(tokens)} tokens exceed the model's {self.max_positions}")
         for field, needed in (
+            ("format", META_FORMAT),
+            ("engine", self.engine),
+            ("weights", self.weights_fingerprint()),
             ("num_layers", self.num_layers),
             ("num_kv_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
