@@ -33,6 +33,17 @@ def test_a_corrupt_spill_file_is_deleted_and_the_content_is_missing_here(tmp_pat
     assert node.pool.stats().num_contents == 0 and node.pool.stats().used_bytes == 0
 
 
+def test_a_spilled_content_loads_back_while_the_store_is_out_of_reach(tmp_path):
+    node = WorkerNode(
+        Pool(1 << 20), "127.0.0.1:1", "secret", "w", (), rpc_timeout_s=2.0, disk=DiskTier(tmp_path)
+    )
+    node.disk.save("c-spilled", (META,), memoryview(DATA))  # type: ignore[union-attr]
+    node.load("c-spilled")  # the heartbeats tell the store of the move later
+    content = node.pool.get("c-spilled")
+    assert bytes(node.pool.view[content.offset : content.offset + len(DATA)]) == DATA
+    assert node.disk.content_ids() == []  # type: ignore[union-attr]
+
+
 def test_a_full_disk_is_resource_exhausted_and_leaves_no_partial_file(tmp_path, monkeypatch):
     disk = DiskTier(tmp_path)
 

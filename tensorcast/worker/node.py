@@ -413,12 +413,18 @@ class WorkerNode:
         return Committed(ref.content_id, ref.layout.size_bytes, ref.tensors, False)
 
     def _moved_tier(self, content_id: str, old_tier: str) -> None:
-        """Tell the store at once: forget the old tier's row, report the new one."""
-        self.store.call(
-            "RemoveReplica",
-            pb.RemoveReplicaRequest(worker_id=self.worker_id, content_id=content_id, tier=old_tier),
-        )
-        self.heartbeat_once()
+        """Tell the store at once: forget the old tier's row, report the new one. The move is
+        done either way: a store out of reach hears of it from the next heartbeats."""
+        try:
+            self.store.call(
+                "RemoveReplica",
+                pb.RemoveReplicaRequest(
+                    worker_id=self.worker_id, content_id=content_id, tier=old_tier
+                ),
+            )
+            self.heartbeat_once()
+        except Unavailable as e:
+            log.warning("the store has not heard %s left the %s tier: %s", content_id, old_tier, e)
 
     def commit(
         self,
