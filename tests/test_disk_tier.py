@@ -44,6 +44,30 @@ def test_a_spilled_content_loads_back_while_the_store_is_out_of_reach(tmp_path):
     assert node.disk.content_ids() == []  # type: ignore[union-attr]
 
 
+def test_a_planned_stop_saves_what_fits_when_the_disk_fills(tmp_path, monkeypatch):
+    node = WorkerNode(
+        Pool(1 << 20), "127.0.0.1:1", "secret", "w", (), rpc_timeout_s=2.0, disk=DiskTier(tmp_path)
+    )
+    for content_id, fill in (("c-big", 1), ("c-small", 2)):
+        data = bytes([fill]) * (64 << 10 if content_id == "c-big" else 4 << 10)
+        res = node.reserve(len(data))
+        node.pool.view[res.offset : res.offset + len(data)] = data
+        meta = TensorMeta("w", "U8", (len(data),), len(data), 0, native.hash_buffer(data))
+        node.commit(
+            res.reservation_id, [meta], verify_hashes=True, replica=True, content_id=content_id
+        )
+    save = node.disk.save  # type: ignore[union-attr]
+
+    def no_room_for_big(content_id, tensors, region):
+        if region.nbytes > 32 << 10:
+            raise ResourceExhausted("disk tier is full")
+        return save(content_id, tensors, region)
+
+    monkeypatch.setattr(node.disk, "save", no_room_for_big)
+    assert node.persist() == 1  # the big one did not fit; the small one was still saved
+    assert node.disk.content_ids() == ["c-small"]  # type: ignore[union-attr]
+
+
 def test_a_full_disk_is_resource_exhausted_and_leaves_no_partial_file(tmp_path, monkeypatch):
     disk = DiskTier(tmp_path)
 

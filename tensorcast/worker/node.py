@@ -198,6 +198,7 @@ class WorkerNode:
             return 0
         on_disk = set(self.disk.content_ids())
         written = 0
+        lost: list[str] = []
         for content_id in self.pool.stats().content_ids:
             if content_id in on_disk or self.references.get(content_id) is not None:
                 continue
@@ -208,9 +209,17 @@ class WorkerNode:
             try:
                 region = self.pool.region(content.offset, content.size_bytes)
                 self.disk.save(content_id, content.tensors, region)
+                written += 1
+            except ResourceExhausted:
+                lost.append(content_id)  # the disk is full for this one: smaller ones may fit
             finally:
                 self.pool.release(content)
-            written += 1
+        if lost:
+            log.error(
+                "the disk tier is full: %d content(s) held only in memory were not saved (%s)",
+                len(lost),
+                ", ".join(lost[:5]),
+            )
         return written
 
     def _give_up_copy(self, content_id: str) -> str:
