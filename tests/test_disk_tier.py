@@ -68,6 +68,24 @@ def test_a_planned_stop_saves_what_fits_when_the_disk_fills(tmp_path, monkeypatc
     assert node.disk.content_ids() == ["c-small"]  # type: ignore[union-attr]
 
 
+def test_a_spill_the_disk_has_no_room_for_keeps_the_content_and_lets_eviction_go_on(
+    tmp_path, monkeypatch
+):
+    node = WorkerNode(
+        Pool(1 << 20), "127.0.0.1:1", "secret", "w", (), rpc_timeout_s=2.0, disk=DiskTier(tmp_path)
+    )
+    res = node.reserve(len(DATA))
+    node.pool.view[res.offset : res.offset + len(DATA)] = DATA
+    node.commit(res.reservation_id, [META], verify_hashes=True, replica=True, content_id="c-1")
+
+    def full(*args):
+        raise ResourceExhausted("disk tier is full")
+
+    monkeypatch.setattr(node.disk, "save", full)
+    assert node._spill("c-1") is False  # reserve() moves on to its next candidate
+    assert node.pool.stats().content_ids == ["c-1"]
+
+
 def test_a_full_disk_is_resource_exhausted_and_leaves_no_partial_file(tmp_path, monkeypatch):
     disk = DiskTier(tmp_path)
 

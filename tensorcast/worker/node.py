@@ -255,7 +255,9 @@ class WorkerNode:
         return "busy"
 
     def _spill(self, content_id: str) -> bool:
-        """Move a content from memory to the disk tier; False if it is in use meanwhile."""
+        """Move a content from memory to the disk tier; False if it is in use meanwhile, or
+        the disk has no room for it (the caller tries its next candidate: a smaller one may
+        fit, or one that needs no disk)."""
         assert self.disk is not None
         try:
             content = self.pool.hold(content_id)
@@ -264,6 +266,9 @@ class WorkerNode:
         try:
             region = self.pool.region(content.offset, content.size_bytes)
             self.disk.save(content_id, content.tensors, region)
+        except ResourceExhausted as e:
+            log.warning("cannot spill %s: %s", content_id, e)
+            return False
         finally:
             self.pool.release(content)
         self.pool.drop(content_id)
