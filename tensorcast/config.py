@@ -159,8 +159,7 @@ def accepted_tokens(accepted: str) -> str:
 def token_accepted(accepted: str, given: str) -> bool:
     """`given` is one of the comma-separated `accepted` tokens (constant-time comparisons)."""
     ok = False
-    for token in accepted.split(","):
-        token = token.strip()
+    for token in accepted_tokens(accepted).split(","):
         ok |= bool(token) and hmac.compare_digest(token.encode(), given.encode())
     return ok
 
