@@ -129,6 +129,43 @@ print(json.dumps({"same": same, "exists": exists, "homes": homes_of(pages, keys)
     assert b_after[out_bytes] >= after[b][out_bytes] + moved
 
 
+def test_a_batch_over_a_same_host_and_a_remote_home_reads_only_the_referenced_version(hosts):
+    """A caller on host a (its worker one of the homes): a batch over both homes is served by
+    both at once, and a reference to a page put again since reads as absent from either
+    home, never as the newer bytes."""
+    a, b, _ = hosts.names
+    out = hosts.in_host(
+        a,
+        CALLER
+        + r"""
+rt = tc.connect()
+pages = rt.pages()
+keys = [f"kv/v/{i}" for i in range(48)]
+size = 256 * 1024
+old = pages.put_pages({k: blob(k + "/1", size) for k in keys}, ttl_s=300)
+new = pages.put_pages({k: blob(k + "/2", size) for k in keys}, ttl_s=300)
+stale = pages.get_pages(old, into=[bytearray(size) for _ in keys])
+into = [bytearray(size) for _ in keys]
+fresh = pages.get_pages(new, into=into)
+by_key = pages.get_pages(keys)
+print(json.dumps({
+    "homes": homes_of(pages, keys),
+    "mine": [w.worker_id for w in rt.workers() if w.host_id == rt.host_id],
+    "stale": [p is None for p in stale],
+    "fresh": [p is not None and bytes(into[i]) == blob(k + "/2", size)
+              for i, (p, k) in enumerate(zip(fresh, keys))],
+    "by_key": [p is not None and bytes(p.data) == blob(k + "/2", size)
+               for p, k in zip(by_key, keys)],
+}))
+""",
+    )
+    assert out["mine"] == [hosts.workers[a]["worker_id"]]
+    assert set(out["homes"]) == {hosts.workers[a]["worker_id"], hosts.workers[b]["worker_id"]}
+    assert out["stale"] == [True] * 48
+    assert out["fresh"] == [True] * 48
+    assert out["by_key"] == [True] * 48
+
+
 def _caller(hosts, ns: str, code: str) -> subprocess.Popen:
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-u", "-c", CALLER + code],

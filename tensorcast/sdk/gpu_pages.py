@@ -138,7 +138,7 @@ def get_into_device(
     pages: Pages, keys: Sequence[str | PageRef], into: Sequence[Any], cache: Any = None
 ) -> list[PageData | None]:
     """`Pages.get_pages(keys, into=...)` where the buffers are GPU tensors."""
-    from tensorcast.sdk.pages import PageRef
+    from tensorcast.sdk.pages import PageRef, drop_other_versions
 
     if not all(on_device(b) for b in into):
         raise errors.InvalidArgument("`into` mixes GPU and host buffers: one kind per call")
@@ -182,6 +182,7 @@ def get_into_device(
         return failures
 
     pages._each_home([names[i] for i in todo], local, remote, partial=True)
+    drop_other_versions(keys, out, todo)
     return out
 
 

@@ -149,8 +149,10 @@ class Pages:
     ) -> list[int]:
         """Run `local(connection, indexes of keys, their (key, shard, token))` for each home on
         this host (in requests of at most MAX_PAGE_BATCH keys) and `remote(groups)` once for
-        every home on other hosts (the native call runs them in parallel). Keys whose home
-        failed with a fencing error or was unreachable are retried once with a fresh lease
+        every home on other hosts (the native call runs them in parallel), the remote homes'
+        call running meanwhile on a thread of its own when there are both: a batch's bytes
+        cross the network while the same-host homes' share is copied, not after it. Keys whose
+        home failed with a fencing error or was unreachable are retried once with a fresh lease
         table. What still fails raises, unless `partial` and other homes served their keys:
         then the indexes left unserved are returned (reads treat them as absent)."""
         pending = list(range(len(keys)))
@@ -175,6 +177,7 @@ class Pages:
                 groups.setdefault(lease.holder_worker_id, []).append(i)
                 leases[lease.holder_worker_id] = lease
             far: list[RemoteGroup] = []
+            near: list[tuple[PageConnection, list[int], list[Wanted]]] = []
             for home, indexes in groups.items():
                 lease = leases[home]
                 wanted = [(keys[i], shards[i], table.leases[shards[i]].token) for i in indexes]
@@ -186,16 +189,25 @@ class Pages:
                     continue
                 if conn is None:
                     far.append((lease, indexes, wanted))
-                    continue
-                for start in range(0, len(indexes), native.MAX_PAGE_BATCH):
-                    end = start + native.MAX_PAGE_BATCH
-                    try:
-                        local(conn, indexes[start:end], wanted[start:end])
-                    except (errors.FencingError, errors.Unavailable) as e:
-                        failed += indexes[start:end]
-                        error = e
+                else:
+                    near.append((conn, indexes, wanted))
+            far_call = _Background(remote, far) if far and near else None
+            try:
+                for conn, indexes, wanted in near:
+                    for start in range(0, len(indexes), native.MAX_PAGE_BATCH):
+                        end = start + native.MAX_PAGE_BATCH
+                        try:
+                            local(conn, indexes[start:end], wanted[start:end])
+                        except (errors.FencingError, errors.Unavailable) as e:
+                            failed += indexes[start:end]
+                            error = e
+            except BaseException:
+                if far_call is not None:
+                    far_call.join()  # never leave it writing into the caller's buffers
+                raise
             if far:
-                for (_, indexes, _), failure in zip(far, remote(far)):
+                far_failures = far_call.result() if far_call is not None else remote(far)
+                for (_, indexes, _), failure in zip(far, far_failures):
                     if failure is None:
                         continue
                     if not isinstance(failure, (errors.FencingError, errors.Unavailable)):
@@ -385,6 +397,7 @@ class Pages:
         self._each_home([names[i] for i in todo], local, remote, partial=True)
         for (i, _), page in zip(located, _copy_checked([p for _, p in located], sources)):
             out[i] = page
+        drop_other_versions(keys, out, todo)
         return out
 
     def _get_remote(
@@ -466,6 +479,43 @@ class Pages:
 
         self._each_home(list(keys), local, remote, partial=True)
         return out
+
+
+def drop_other_versions(
+    keys: Sequence[str | PageRef], out: list[PageData | None], indexes: Sequence[int]
+) -> None:
+    """A reference names one version of its page: another version stored under its key since
+    (the key put again) reads as absent, never as the referenced data."""
+    for i in indexes:
+        key, page = keys[i], out[i]
+        if page is not None and isinstance(key, PageRef) and page.hash != key.hash:
+            out[i] = None
+
+
+class _Background:
+    """`fn(*args)` on a thread of its own; `result()` waits for it and returns its value or
+    raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()  # bounded: the remote call has the runtime's timeout
+
+    def result(self) -> Any:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _writable(target: Any) -> memoryview:
