@@ -4,6 +4,7 @@ Real processes throughout (`tc up` as a user runs it)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -115,6 +116,40 @@ def test_an_instance_follows_its_worker_restarted_by_tc_up(cluster_dir):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _pool_mappings() -> set[str]:
+    """The inodes of the shared-memory files (workers' pools, page directories) this process
+    maps."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return {line.split()[4] for line in lines if "/memfd:" in line}
+
+
+def test_a_caller_unmaps_the_pool_of_a_worker_that_restarted(cluster_dir):
+    """A worker killed and restarted by `tc up` comes back with a new id and a new pool. A
+    caller that used the old one (a tensor mapped from it, KV pages written in place) lets go
+    of its mappings once it talks to the new worker: kept, they would keep the dead worker's
+    whole pool allocated for as long as the caller (an engine, a router) runs."""
+    c = cluster_dir
+    first = _tc(c, "up", "--workers", "1", "--mem", "64MiB")
+    with c.connect() as rt:
+        rt.put(_data(1), "before")
+        got = rt.artifact("before").tensor_dict()
+        assert _same(got, _data(1))
+        rt.pages().put_pages({"kv/restart/0": b"x" * 4096})
+        old = _pool_mappings()
+        assert old  # the pool and the page directory
+        del got
+        gc.collect()
+        os.kill(_pids(first)["worker-1"], signal.SIGKILL)
+        wait_until(lambda: not _alive(_pids(first)["worker-1"]), 30)
+        new_pid = _pids(_tc(c, "up"))["worker-1"]
+        wait_until(lambda: rt.resolve_worker("worker-1").pid == new_pid, 30)
+        rt.put(_data(2), "after", worker="worker-1")
+        after = rt.artifact("after").tensor_dict()
+        assert _same(after, _data(2))
+        wait_until(lambda: not old & _pool_mappings(), 10, 0.05)
+        assert _pool_mappings()  # the new worker's pool, which `after` maps
 
 
 def test_planned_restart_with_a_disk_tier_keeps_every_artifact(cluster_dir, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import select
 import threading
 import weakref
 from typing import Any
@@ -71,6 +72,24 @@ class LocalConnection:
         if not reply.get("ok"):
             raise errors.error_named(str(reply.get("error")), reply.get("message", "worker error"))
         return reply, fds
+
+    @property
+    def gone(self) -> bool:
+        """The worker ended this connection (it died or restarted), or a request on it failed:
+        found without a round trip. Between requests the worker sends nothing, so a socket that
+        is readable then has been closed by it."""
+        if self.broken or self._closed:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False  # a request is in flight: it finds out for itself
+        try:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if poller.poll(0):
+                self.broken = True
+            return self.broken
+        finally:
+            self._lock.release()
 
     @property
     def busy(self) -> bool:

@@ -276,6 +276,7 @@ class Pages:
                 conn = None
         if conn is None:
             local = self.rt.local_connection_to(worker_id, local_socket)
+            self.drop_gone_connections()
             conn = PageConnection(
                 local_socket, local.arena, self.rt.token, self.rt.timeout_s, local.directory
             )
@@ -285,6 +286,19 @@ class Pages:
                 conn.close()
                 conn = kept
         return conn
+
+    def drop_gone_connections(self) -> None:
+        """Close the page connections to same-host workers whose local connection the runtime
+        dropped (dead or restarted: see Runtime._drop_gone_connections); each holds its
+        worker's pool mapped."""
+        with self._lock:
+            gone = [
+                w
+                for w, conn in self._conns.items()
+                if conn.broken or not self.rt.has_live_local_connection(w)
+            ]
+            for worker_id in gone:
+                self._conns.pop(worker_id).close()
 
     # -- the batch API -------------------------------------------------------------------------
 

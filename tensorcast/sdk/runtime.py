@@ -166,10 +166,27 @@ class Runtime:
                 conn.close()  # once its mappings are gone
                 conn = None
         if conn is None:
+            self._drop_gone_connections()
             conn = LocalConnection(local_socket, self.token, self.timeout_s)
             with self._lock:
                 conn = self._local.setdefault(worker_id, conn)
         return conn
+
+    def _drop_gone_connections(self) -> None:
+        """Close the connections to same-host workers that died or restarted (a restarted
+        worker has a new id: nothing would ask for the old one again). Each maps its worker's
+        whole pool: kept, it would keep that memory allocated for as long as this caller runs."""
+        with self._lock:
+            gone = [w for w, conn in self._local.items() if conn.gone]
+            for worker_id in gone:
+                self._local.pop(worker_id).close()  # unmapped once no tensor uses it
+        if gone and self._pages is not None:
+            self._pages.drop_gone_connections()  # they map the same pools
+
+    def has_live_local_connection(self, worker_id: str) -> bool:
+        with self._lock:
+            conn = self._local.get(worker_id)
+            return conn is not None and not conn.gone
 
     # -- signals, plans, pages -------------------------------------------------------------------
 
@@ -449,6 +466,7 @@ class Runtime:
             for worker_id, conn in list(self._local.items()):
                 if conn.broken:
                     del self._local[worker_id]  # gone: a later write connects again
+                    conn.close()
                 elif not conn.busy:
                     return conn
         return None
