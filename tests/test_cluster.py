@@ -93,6 +93,32 @@ def test_up_twice_status_and_down(tmp_path):
     assert proc.returncode == tc.Unavailable.exit_code and "tc up" in proc.stdout
 
 
+def test_worker_options_of_a_failed_up_are_not_what_the_next_up_repeats(tmp_path):
+    """`tc up --disk FILE` fails (a worker cannot make its disk tier under a file); a plain
+    `tc up` then brings the cluster back as it last worked, instead of failing the same way."""
+    from conftest import Cluster
+
+    state = tmp_path / "state"
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    c = Cluster(state, None)  # type: ignore[arg-type]
+    try:
+        c.tc("up", "--workers", "1", "--mem", "32MiB", check=True)
+        c.tc("down", check=True)
+        failed = c.tc("up", "--workers", "2", "--disk", str(not_a_dir))
+        assert failed.returncode != 0 and "Not a directory" in failed.stdout + failed.stderr
+        layout = json.loads((state / "layout.json").read_text())
+        assert (layout["workers"], layout["mem"], layout["disk"]) == (1, "32MiB", "")
+        again = json.loads(c.tc("up", "--json", check=True).stdout)
+        assert sorted(again["started"]) == ["store", "worker-1"]
+        c.tc("down", check=True)
+        bigger = json.loads(c.tc("up", "--workers", "2", "--json", check=True).stdout)
+        assert sorted(bigger["started"]) == ["store", "worker-1", "worker-2"]
+        assert json.loads((state / "layout.json").read_text())["workers"] == 2
+    finally:
+        c.tc("down")
+
+
 def test_up_in_a_state_dir_never_takes_the_default_state_dirs_tls(tmp_path):
     """Processes of `tc up --state-dir B` resolved their state dir (TLS files, token) as the
     default one: a TLS cluster's certificates there made B's plaintext cluster unusable."""

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -194,6 +194,10 @@ def up(
             )
         layout.ha = layout.ha or ha
         layout.tls = layout.tls or tls
+        # The worker settings asked for now go into the saved layout only once the workers
+        # they start are up: a `--mem` or `--disk` that fails must not be what the next plain
+        # `tc up` repeats.
+        worked = replace(layout)
         layout.workers = workers or layout.workers
         layout.mem = mem or layout.mem
         layout.disk = str(disk.resolve()) if disk else layout.disk
@@ -221,7 +225,7 @@ def up(
             files = local_cluster_tls(state_dir)
             tls_args = ["--tls-ca", files.ca, "--tls-cert", files.cert, "--tls-key", files.key]
         try:
-            endpoints = _up_etcd(state_dir, layout, listen_host, live, result, spawned)
+            endpoints = _up_etcd(state_dir, layout, worked, listen_host, live, result, spawned)
             workers_live = any(n.startswith("worker-") for n in live)
             stores = []
             saved = layout.store_addr.split(",") if layout.store_addr else []
@@ -246,7 +250,7 @@ def up(
                 result.started.append(name)
             result.record.store_addr = layout.store_addr = ",".join(s.addr for s in stores)
             result.record.processes += stores
-            layout.save(state_dir)
+            _with_workers_of(layout, worked).save(state_dir)
             _forget_dead_workers(
                 state_dir, result.record.store_addr, token, [n for n in names if n not in live]
             )
@@ -277,6 +281,7 @@ def up(
                         started_at=_started_at(proc.pid),
                     )
                 )
+            layout.save(state_dir)
             result.record.save(state_dir)
             return result
         except BaseException:
@@ -285,16 +290,23 @@ def up(
             raise
 
 
+def _with_workers_of(layout: Layout, worked: Layout) -> Layout:
+    """`layout` with the worker settings of `worked` (those last seen starting workers)."""
+    return replace(layout, workers=worked.workers, mem=worked.mem, disk=worked.disk)
+
+
 def _up_etcd(
     state_dir: Path,
     layout: Layout,
+    worked: Layout,
     listen_host: str,
     live: dict[str, ProcessRecord],
     result: UpResult,
     spawned: list[subprocess.Popen],
 ) -> list[str]:
     """The etcd members of an --ha cluster (started where missing, at their old addresses and
-    data dirs); returns their client addresses. Empty without --ha."""
+    data dirs); returns their client addresses. Empty without --ha. `worked`: the layout's
+    worker settings as last seen working (saved with the members' plan)."""
     from tensorcast.sdk import local_etcd
 
     if not layout.ha:
@@ -305,7 +317,7 @@ def _up_etcd(
         layout.etcd_token = local_etcd.cluster_token()
         # Saved before any member starts: a member's data dir holds its peers' addresses, so
         # a `tc up` after a failed one must start the same members, not plan new ones.
-        layout.save(state_dir)
+        _with_workers_of(layout, worked).save(state_dir)
     members = [local_etcd.EtcdMember.from_json(m) for m in layout.etcd]
     log = state_dir / "logs" / "etcd.log"
     procs = []
