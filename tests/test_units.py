@@ -450,3 +450,16 @@ def test_two_threads_spilling_one_content_both_finish_and_the_file_is_whole(tmp_
     tier.read_into("c1-same", memoryview(dest), 0)
     assert dest == data
     assert not list((tmp_path / "disk").glob("*.tmp"))
+
+
+def test_tc_up_waits_for_new_workers_long_enough_to_prefault_their_pools():
+    """Workers fault their whole pool in before they report ready (a fresh 2 GiB pool took
+    3.7 s on the 2-core CI VM, ~0.55 GiB/s, all workers sharing that bandwidth): `tc up` must
+    not kill a big worker as it would a hung one."""
+    from tensorcast.sdk.local_cluster import START_TIMEOUT_S, start_timeout_s
+
+    measured_rate = (2 << 30) / 3.7
+    assert start_timeout_s(1, "64MiB") < START_TIMEOUT_S + 1  # small pools: the usual wait
+    for workers, mem in ((1, "256GiB"), (4, "64GiB"), (8, "8GiB")):
+        prefault_s = workers * parse_size(mem) / measured_rate
+        assert start_timeout_s(workers, mem) >= START_TIMEOUT_S + 2 * prefault_s

@@ -28,6 +28,10 @@ STOP_TIMEOUT_S = 60.0
 # A worker with a disk tier writes its memory out before it exits: `tc down` gives the
 # workers of such a cluster this much more per byte of their pools (which share one disk).
 PERSIST_BYTES_PER_S = 100 * 1024 * 1024
+# Workers pre-fault their pools before they report ready (in parallel, sharing the memory
+# bandwidth): `tc up` waits for them this much longer per byte of the pools (a fresh 2 GiB
+# pool took 3.7 s on the 2-core VM CI runs on; this rate is several times slower still).
+PREFAULT_BYTES_PER_S = 128 * 1024 * 1024
 LAYOUT_FILE = "layout.json"
 HA_ETCD_MEMBERS = 3
 HA_STORES = 2
@@ -107,8 +111,10 @@ def _spawn(args: list[str], log: Path, token: str, ready: Path) -> subprocess.Po
         )
 
 
-def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> dict:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def _wait_ready(
+    proc: subprocess.Popen, ready: Path, log: Path, timeout_s: float = START_TIMEOUT_S
+) -> dict:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready.exists():
             return json.loads(ready.read_text())
@@ -119,7 +125,7 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> dict:
             )
         time.sleep(0.05)
     proc.kill()
-    raise Unavailable(f"{log.stem} did not become ready within {START_TIMEOUT_S:.0f}s; see {log}")
+    raise Unavailable(f"{log.stem} did not become ready within {timeout_s:.0f}s; see {log}")
 
 
 @dataclass
@@ -267,8 +273,10 @@ def up(
                 if layout.disk:
                     args += ["--disk", str(Path(layout.disk) / name)]
                 pending.append(_start_worker(state_dir, name, args, token, spawned))
+            started = time.monotonic()
             for name, proc, ready, log in pending:  # workers pre-fault their pools in parallel
-                info = _wait_ready(proc, ready, log)
+                left = start_timeout_s(len(pending), layout.mem) - (time.monotonic() - started)
+                info = _wait_ready(proc, ready, log, max(left, 1.0))
                 result.started.append(name)
                 result.record.processes.append(
                     ProcessRecord(
@@ -433,6 +441,11 @@ def _extra_local_workers(state_dir: Path, record: ClusterRecord) -> list[Process
             ]
     except TensorcastError:
         return []  # the store is gone: nothing more to learn
+
+
+def start_timeout_s(workers: int, mem: str) -> float:
+    """How long `tc up` waits for `workers` new workers of `mem` each to become ready."""
+    return START_TIMEOUT_S + workers * parse_size(mem) / PREFAULT_BYTES_PER_S
 
 
 def stop_timeout_s(layout: Layout) -> float:
