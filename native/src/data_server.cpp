@@ -509,7 +509,14 @@ void DataServer::Impl::serve(Connection* connection) {
                                     limits.ssl);
                     return;
                 }
-                service->serve(fd, limits.ssl, raw, wake.get());
+                // Idle page connections are evictable like data ones (make_room).
+                const RemotePageService::IdleMark mark{
+                    [connection] {
+                        connection->idle_since = Clock::now().time_since_epoch().count();
+                        connection->idle = kWaiting;
+                    },
+                    [connection] { return connection->idle.exchange(kBusy) != kEvicted; }};
+                service->serve(fd, limits.ssl, raw, wake.get(), mark);
                 return;
             }
             if (net::recv_all(fd, raw + kPageHeader, sizeof raw - kPageHeader, limits, nullptr) !=

@@ -130,7 +130,8 @@ RemotePageStats RemotePageService::stats() const {
     return {requests_, errors_sent_, bytes_received_, bytes_sent_, active_};
 }
 
-void RemotePageService::serve(int fd, ssl_st* ssl, const uint8_t* first_header, int wake_fd) {
+void RemotePageService::serve(int fd, ssl_st* ssl, const uint8_t* first_header, int wake_fd,
+                              const IdleMark& mark) {
     ++active_;
     struct Active {
         std::atomic<uint64_t>& n;
@@ -148,7 +149,11 @@ void RemotePageService::serve(int fd, ssl_st* ssl, const uint8_t* first_header, 
             idle.deadline = c.authenticated ? Clock::now() + milliseconds(kIdleTimeoutMs)
                                             : connected_at + milliseconds(kHelloWithinMs);
             idle.spin_us = kServerSpinUs;
-            if (net::recv_all(fd, header, kHeaderBytes, idle, nullptr) != net::Io::kOk) return;
+            const bool markable = c.authenticated && mark.waiting && mark.busy;
+            if (markable) mark.waiting();
+            const net::Io io = net::recv_all(fd, header, kHeaderBytes, idle, nullptr);
+            // Evicted while waiting: the socket is shut, even if a request slipped in.
+            if ((markable && !mark.busy()) || io != net::Io::kOk) return;
         }
         have_header = false;
         uint32_t size;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <memory>
@@ -587,6 +588,38 @@ void test_puts_are_fenced_before_and_after_their_bytes() {
     }
 }
 
+// Page connections idle between requests are evictable like data ones: callers' pooled page
+// links (many engine processes, several streams each) must not lock a full server's new
+// callers out until their idle timeout.
+void test_idle_page_connections_make_room() {
+    Home a;
+    std::vector<std::unique_ptr<Raw>> idle;
+    for (uint32_t i = 0; i < tc::kMaxServerConnections; ++i) {
+        idle.push_back(std::make_unique<Raw>(a.server.port()));
+        idle.back()->hello();
+        CHECK(idle.back()->reply().first == 0);
+    }
+    CHECK(a.server.stats().active_connections == tc::kMaxServerConnections);
+    // A connection counts as idle once its thread waits for the next request, which may be a
+    // moment after its HELLO reply arrived here: a put refused for want of one tries again.
+    const auto blob = random_bytes(64 << 10, 11);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    bool stored = false;
+    while (!stored && std::chrono::steady_clock::now() < deadline) {
+        const auto put = tc::remote_put({page("room", blob)}, {a.home({0})}, 60, false, options(1));
+        stored = !put.errors[0];
+        if (!stored) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    CHECK(stored && a.index->stats().home_pages == 1);
+    CHECK(a.server.stats().connections_evicted >= 1);
+    size_t closed = 0;  // the evicted ones see the close; the others still answer
+    for (auto& raw : idle) {
+        uint8_t byte;
+        closed += ::recv(raw->fd, &byte, 1, MSG_DONTWAIT) == 0 ? 1 : 0;
+    }
+    CHECK(closed >= 1 && closed < idle.size());
+}
+
 // Before HELLO a connection gets nothing read but HELLO: a WAKE (which would keep it open with
 // no token) is answered and the connection closed.
 void test_only_hello_is_read_before_authentication() {
@@ -692,6 +725,7 @@ int main() {
     test_a_replayed_part_keeps_nothing_of_the_failed_attempt();
     test_puts_are_fenced_before_and_after_their_bytes();
     test_only_hello_is_read_before_authentication();
+    test_idle_page_connections_make_room();
     test_puts_in_flight_hold_at_most_half_the_pool();
     test_reads_renew_leases();
     if (failures) std::fprintf(stderr, "%d checks failed\n", failures);

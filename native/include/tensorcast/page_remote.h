@@ -58,10 +58,19 @@ class RemotePageService {
 public:
     RemotePageService(std::shared_ptr<PageIndex> index, std::string token, uint64_t arena_bytes);
 
+    // How a served connection tells its server when it is idle (authenticated, waiting for
+    // its next request), so that a full server may close it for a new one (data_server.cpp).
+    struct IdleMark {
+        std::function<void()> waiting;  // before waiting for the next request
+        std::function<bool()> busy;     // after it: false when the server closed it meanwhile
+    };
+
     // Serves one connection of the data port whose first page header (8 bytes) was read
     // already; `ssl` is its TLS session or null. Returns when the peer closes or breaks the
-    // protocol, or `wake_fd` (the data server stopping) becomes readable.
-    void serve(int fd, ssl_st* ssl, const uint8_t* first_header, int wake_fd);
+    // protocol, `wake_fd` (the data server stopping) becomes readable, or the server evicts
+    // the connection while idle (`idle`, optional).
+    void serve(int fd, ssl_st* ssl, const uint8_t* first_header, int wake_fd,
+               const IdleMark& idle = {});
     RemotePageStats stats() const;
     // Test hook: the next n pages a READ sends go out with a wrong hash (the bytes are intact),
     // like a page damaged on its way. n = 0 disarms.
