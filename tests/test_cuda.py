@@ -489,6 +489,23 @@ def test_kv_pages_from_and_into_gpu_buffers(grt):
 
 
 @needs_cuda
+def test_closing_a_page_connection_unlocks_its_pool_mapping(grt):
+    """Pages put from a GPU page-lock the home's pool mapping once per connection; closing the
+    connection (a worker gone, the caller done) unregisters it: left registered, a dead
+    worker's pool would stay locked in memory for as long as the caller runs."""
+    from tensorcast.sdk import gpu_pages
+
+    pages = grt.pages()
+    pages.put_pages({"kv/gpu/pinned": torch.ones(4096, device="cuda")}, ttl_s=60)
+    held = list(gpu_pages._pinned.values())
+    assert held
+    pages.close()
+    assert not any(p.pinned for p in held) and len(gpu_pages._pinned) == 0
+    got = pages.get_pages(["kv/gpu/pinned"], into=[torch.zeros(4096, device="cuda")])
+    assert got[0] is not None  # a new connection, pinned again on use
+
+
+@needs_cuda
 def test_load_model_on_cuda_matches_cpu(grt, tmp_path):
     transformers = pytest.importorskip("transformers")
     from tensorcast.integrations.transformers import load_model

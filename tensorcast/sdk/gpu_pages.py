@@ -62,6 +62,16 @@ def pool_tensor(conn: PageConnection) -> torch.Tensor:
         return pinned.tensor
 
 
+def unpin(conn: PageConnection) -> None:
+    """Unlock the pool mapping `pool_tensor` page-locked for `conn`, which is closing: left
+    registered, the pages of a dead worker's pool would stay locked (and allocated) for as long
+    as this process runs."""
+    with _pinned_lock:
+        pinned = _pinned.pop(conn, None)
+    if pinned is not None:
+        pinned.close()
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     import torch
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensorcast import errors
+from tensorcast.sdk import gpu_pages
 from tensorcast.transport import native, unix
 
 # Page socket operations (native/include/tensorcast/page_server.h), for requests_sent().
@@ -116,4 +117,5 @@ class PageConnection:
         return directory
 
     def close(self) -> None:
+        gpu_pages.unpin(self)
         self.client.close()
