@@ -16,23 +16,91 @@ from typing import Any
 
 from tensorcast.errors import InvalidArgument
 
-WORKER_OPS: dict[str, tuple[str, ...]] = {
-    "prefetch": ("artifact",),
-    "prefetch_many": ("artifacts",),
-    "pin": ("artifact",),
-    "unpin": ("artifact",),
+# Each operation's arguments and the JSON types each takes ("number": int or float); those
+# marked required must be given. A reference to an earlier step's result stands for any value
+# (the step that receives it checks what it gets).
+_STR, _INT, _NUMBER, _LIST, _DICT, _NULL = "string", "int", "number", "list", "object", "null"
+Arg = tuple[tuple[str, ...], bool]  # (types, required)
+WORKER_OPS: dict[str, dict[str, Arg]] = {
+    "prefetch": {
+        "artifact": ((_STR,), True),
+        "device": ((_STR,), False),
+        "streams": ((_INT,), False),
+    },
+    "prefetch_many": {
+        "artifacts": ((_LIST,), True),
+        "device": ((_STR,), False),
+        "ttl_s": ((_NUMBER,), False),
+    },
+    "pin": {"artifact": ((_STR,), True)},
+    "unpin": {"artifact": ((_STR,), True)},
 }
-INSTANCE_OPS: dict[str, tuple[str, ...]] = {
-    "publish": ("req_id",),
-    "manifest": ("req_id",),
-    "hydrate": ("req_id",),
-    "evict": ("req_id",),
-    "transform_into": ("artifact",),
+INSTANCE_OPS: dict[str, dict[str, Arg]] = {
+    "publish": {
+        "req_id": ((_STR,), True),
+        "ttl_s": ((_NUMBER,), False),
+        "part": ((_INT,), False),
+        "parts": ((_INT,), False),
+    },
+    "manifest": {"req_id": ((_STR,), True)},
+    "hydrate": {
+        "req_id": ((_STR,), True),
+        "artifacts": ((_LIST, _NULL), False),
+        "part": ((_INT,), False),
+        "parts": ((_INT,), False),
+    },
+    "evict": {"req_id": ((_STR,), True)},
+    "transform_into": {"artifact": ((_STR,), True), "spec": ((_DICT, _NULL), False)},
 }
 OPS_BY_KIND = {"worker": WORKER_OPS, "instance": INSTANCE_OPS}
 MAX_STEPS = 256
 MAX_CONCURRENCY = 16
 MAX_DEADLINE_MS = 3600_000
+MAX_ARG_DEPTH = 8  # nesting of lists and objects inside an argument (page lists are 2 deep)
+
+
+def _type_of(value: Any) -> str:
+    if value is None:
+        return _NULL
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return _INT
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return _STR
+    if isinstance(value, list):
+        return _LIST
+    if isinstance(value, dict):
+        return _DICT
+    return type(value).__name__
+
+
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, dict) and "$step" in value
+
+
+def _check_arg(where: str, name: str, value: Any, types: tuple[str, ...]) -> None:
+    if _is_ref(value):
+        extra = set(value) - {"$step", "field"}
+        if extra or not isinstance(value.get("field", ""), str):
+            raise InvalidArgument(
+                f"{where}: argument {name!r}: a reference is {{'$step': id, 'field': name}}"
+            )
+        return
+    kind = _type_of(value)
+    if kind in types or (kind in (_INT, "float") and _NUMBER in types):
+        return
+    raise InvalidArgument(f"{where}: argument {name!r} must be {' or '.join(types)}, not {kind}")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deeply lists and objects nest in `value` (counting stops past `limit`)."""
+    if limit < 0 or not isinstance(value, (list, dict)):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(v, limit - 1) for v in items), default=0)
 
 
 def refs_in(value: Any) -> list[int]:
@@ -95,12 +163,8 @@ def validate(plan: dict) -> None:
                 f"step {index}: {op!r} is not a {target['kind']} operation "
                 f"({', '.join(sorted(ops))})"
             )
+        check_args(step, ops[op])
         args = step.get("args", {})
-        if not isinstance(args, dict):
-            raise InvalidArgument(f"step {index}: args must be an object")
-        missing = [a for a in ops[op] if a not in args]
-        if missing:
-            raise InvalidArgument(f"step {index} ({op}): missing argument {missing[0]!r}")
         for ref in refs_in(args):
             if not isinstance(ref, int) or not 0 <= ref < index:
                 raise InvalidArgument(
@@ -113,6 +177,29 @@ def validate(plan: dict) -> None:
         ):
             raise InvalidArgument(f"step {index}: after must list other steps' ids")
     order(steps)
+
+
+def check_args(step: dict, known: dict[str, Arg] | None = None) -> None:
+    """A step's arguments against its operation's: none missing or unknown, each of its type
+    (references stand for any value: a gateway checks a step again once they are resolved)."""
+    op, index = step["op"], step["id"]
+    known = known if known is not None else OPS_BY_KIND[step["target"]["kind"]][op]
+    args = step.get("args", {})
+    where = f"step {index} ({op})"
+    if not isinstance(args, dict):
+        raise InvalidArgument(f"step {index}: args must be an object")
+    missing = [a for a, (_, required) in known.items() if required and a not in args]
+    if missing:
+        raise InvalidArgument(f"{where}: missing argument {missing[0]!r}")
+    unknown = sorted(a for a in args if a not in known)
+    if unknown:
+        raise InvalidArgument(
+            f"{where}: unknown argument {unknown[0]!r} (it takes {', '.join(known)})"
+        )
+    if _depth(args, MAX_ARG_DEPTH) > MAX_ARG_DEPTH:
+        raise InvalidArgument(f"{where}: arguments nest deeper than {MAX_ARG_DEPTH} levels")
+    for name, value in args.items():
+        _check_arg(where, name, value, known[name][0])
 
 
 def order(steps: list[dict]) -> list[int]:

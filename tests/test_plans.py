@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -197,6 +198,10 @@ def test_malformed_plans_are_rejected_before_anything_runs(cluster, instances):
             "cycle": [{"after": [1]}, {"after": [0]}],
             "later input": [{"args": {"req_id": {"$step": 1}}}, {}],
             "unknown op": [{"op": "format_disk"}],
+            "wrong type": [{"args": {"req_id": 5}}],
+            "unknown argument": [{"args": {"req_id": "never-ran", "reqid": "x"}}],
+            "bad reference": [{}, {"args": {"req_id": {"$step": 0, "field": ["req_id"]}}}],
+            "too deep": [{"args": {"req_id": json.loads("[" * 40 + "]" * 40)}}],
         }
         for name, changes in bad.items():
             steps = [
@@ -216,7 +221,16 @@ def test_malformed_plans_are_rejected_before_anything_runs(cluster, instances):
             with pytest.raises(tc.InvalidArgument):
                 gateway.call("RunPlan", pb.PlanRequest(plan_json=json.dumps(body)))
         # Nothing ran: no plan was recorded for any of them.
-        assert not {p.trace_id for p in rt.plans(100)} & {"cycle", "later input", "unknown op"}
+        assert not {p.trace_id for p in rt.plans(100)} & set(bad)
+        # The SDK checks the same before sending anything.
+        p = plan()
+        p.on_worker("worker-1").prefetch("kv-llama@v1", streams="many")
+        with pytest.raises(tc.InvalidArgument, match="'streams' must be int, not string"):
+            p.run(rt)
+        p = plan()
+        p.on_worker("worker-1").pin("kv-llama@v1", ttl_s=5)
+        with pytest.raises(tc.InvalidArgument, match="unknown argument 'ttl_s'"):
+            p.run(rt)
 
 
 class _TestEngine(HFEngine):
@@ -227,11 +241,13 @@ class _TestEngine(HFEngine):
         self.delay_s = delay_s
         self.failures = failures
         self.released = threading.Event()  # set: exports stop waiting out `delay_s`
+        self.exports = 0  # exports started
 
     def export_kv(self, req_id):
         if self.failures:
             self.failures -= 1
             raise tc.Unavailable("engine busy, try again")
+        self.exports += 1
         self.released.wait(self.delay_s)
         return super().export_kv(req_id)
 
@@ -430,3 +446,133 @@ def test_a_finished_key_replays_even_when_its_target_is_gone(cluster):
         again = plan().run(rt)
         assert again["replayed"] is True and again["status"] == "ok"
         assert again["steps"] == first["steps"]
+
+
+def test_an_instance_operation_that_waited_past_its_deadline_is_not_run(cluster, local_instance):
+    """An instance runs MAX_OPS_IN_FLIGHT operations at once; the others wait. One whose plan
+    gave up while it waited is not run when its turn comes (the plan is recorded failed, and
+    a retry would run it a second time)."""
+    from tensorcast.sdk.instance import MAX_OPS_IN_FLIGHT
+
+    engine = local_instance("stuck", delay_s=120.0)
+    engine.generate("r", PROMPT[:9], 2)
+    failed_at = []
+
+    def publish(deadline_ms: int) -> None:
+        with cluster.connect() as rt:
+            p = tc.Plan(tc.CallContext(deadline_ms=deadline_ms))
+            p.on_instance("stuck").publish("r")
+            try:
+                p.run(rt)
+            except tc.DeadlineExceeded:
+                failed_at.append(time.monotonic())
+
+    plans = [threading.Thread(target=publish, args=(1500,)) for _ in range(MAX_OPS_IN_FLIGHT + 2)]
+    for t in plans:
+        t.start()
+    for t in plans:
+        t.join(60)
+    assert len(failed_at) == len(plans)
+    assert engine.exports == MAX_OPS_IN_FLIGHT  # the other two wait for a thread
+    # Their deadline (at most the plans' 1.5 s, counted from when the instance took them) has
+    # passed: the condition this test is about is time itself.
+    wait_until(lambda: time.monotonic() > max(failed_at) + 3.0, 10, 0.1)
+    engine.delay_s = 0.0
+    engine.released.set()
+    with cluster.connect() as rt:  # queued behind the two: when it is done, so are they
+        p = tc.Plan(tc.CallContext(deadline_ms=60_000))
+        p.on_instance("stuck").publish("r")
+        assert p.run(rt)["status"] == "ok"
+    assert engine.exports == MAX_OPS_IN_FLIGHT + 1
+
+
+def test_a_context_without_a_key_runs_every_plan_and_a_key_names_one_plan(cluster):
+    """Without an idempotency key every run is new, even with the CallContext reused; with a
+    key, the same plan again replays its result and another plan under it is refused."""
+    with cluster.connect() as rt:
+        for name in ("plans/ctx-a", "plans/ctx-b"):
+            rt.put({"w": torch.ones(8)}, name)
+        ctx = tc.CallContext(deadline_ms=30_000)
+        first = tc.Plan(ctx)
+        first.on_worker("worker-2").prefetch("plans/ctx-a")
+        second = tc.Plan(ctx)
+        second.on_worker("worker-2").prefetch("plans/ctx-b")
+        assert first.run(rt)["steps"][0]["result"]["artifact"] == "plans/ctx-a"
+        again = second.run(rt)
+        assert again["replayed"] is False
+        assert again["steps"][0]["result"]["artifact"] == "plans/ctx-b"
+        assert second.run(rt)["replayed"] is False  # the same plan, run anew
+
+        def keyed(name: str) -> tc.Plan:
+            p = tc.Plan(tc.CallContext(deadline_ms=30_000, idempotency_key="one-plan-key"))
+            p.on_worker("worker-2").prefetch(name)
+            return p
+
+        assert keyed("plans/ctx-a").run(rt)["replayed"] is False
+        assert keyed("plans/ctx-a").run(rt)["replayed"] is True
+        with pytest.raises(tc.InvalidArgument, match="names another plan"):
+            keyed("plans/ctx-b").run(rt)
+
+
+def test_a_plan_finds_a_worker_restarted_under_its_name(cluster):
+    """A worker killed and started again under its name is listed twice until the dead entry
+    expires: a plan naming it runs on the live one."""
+    with cluster.connect() as rt:
+        rt.put({"w": torch.ones(8)}, "plans/restarted")
+        with cluster.extra_worker("plans-rs") as first:
+            first.kill()
+            first.wait(30)
+        wait_until(lambda: any(w.name == "plans-rs" and not w.alive for w in rt.workers()), 60)
+        with cluster.extra_worker("plans-rs"):
+            named = [w for w in rt.workers() if w.name == "plans-rs"]
+            assert sorted(w.alive for w in named) == [False, True]
+            p = tc.Plan(tc.CallContext(deadline_ms=30_000))
+            p.on_worker("plans-rs").prefetch("plans/restarted")
+            assert p.run(rt)["steps"][0]["worker"] == "plans-rs"
+
+
+def test_a_gateway_refuses_plans_past_its_limit_instead_of_starving_its_other_calls(cluster):
+    """Callers waiting on a key that runs elsewhere each hold a gateway thread: past
+    MAX_PLANS_IN_FLIGHT a gateway refuses (ResourceExhausted) and keeps answering its other
+    calls; the waiters get the result once the key finishes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorcast.rpc.convert import plan_to_pb
+    from tensorcast.types import PlanRecord
+    from tensorcast.worker.plans import MAX_PLANS_IN_FLIGHT
+
+    with cluster.connect() as rt:
+        rt.put({"w": torch.ones(8)}, "plans/limit")
+        body = tc.Plan(tc.CallContext(deadline_ms=60_000, idempotency_key="limit-key"))
+        body.on_worker("worker-2").prefetch("plans/limit")
+        plan = body.to_json()
+        held = PlanRecord(
+            "limit-key", "elsewhere", "running", {}, 0.0, deadline_at=time.time() + 60
+        )
+        assert rt.store.call("BeginPlan", plan_to_pb(held)).started  # "runs elsewhere"
+        gateway = rt.worker_stub(rt.resolve_worker("worker-1"))
+        request = pb.PlanRequest(plan_json=json.dumps(plan))
+        with ThreadPoolExecutor(MAX_PLANS_IN_FLIGHT) as pool:
+            waiting = [
+                pool.submit(gateway.call, "RunPlan", request, timeout_s=90)
+                for _ in range(MAX_PLANS_IN_FLIGHT)
+            ]
+            wait_until(lambda: _in_flight(cluster, "worker-1") == MAX_PLANS_IN_FLIGHT, 30)
+            with pytest.raises(tc.ResourceExhausted, match=f"runs {MAX_PLANS_IN_FLIGHT} plans"):
+                gateway.call("RunPlan", request, timeout_s=5)
+            gateway.call("Status", pb.Empty(), timeout_s=5)  # its other calls still answered
+            done = {"status": "ok", "steps": [], "error": None}
+            rt.store.call(
+                "FinishPlan", plan_to_pb(PlanRecord("limit-key", "elsewhere", "ok", done, 0.0))
+            )
+            for fut in waiting:
+                assert json.loads(fut.result(60).result_json)["replayed"] is True
+
+
+def _in_flight(cluster, worker_name: str) -> float:
+    proc = next(p for p in cluster.record.processes if p.name == worker_name)
+    with urllib.request.urlopen(f"http://{proc.metrics_addr}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("tc_plans_in_flight "):
+                return float(line.split()[1])
+    raise AssertionError("tc_plans_in_flight missing from /metrics")

@@ -39,6 +39,13 @@ def _skip(raw: bytes) -> bytes:
     return raw
 
 
+def _internal(method: str, error: Exception) -> TensorcastError:
+    """A handler's bug, sent as INTERNAL: gRPC would send it as UNKNOWN, which callers take for
+    a transport failure and retry (the same bug, until their deadline)."""
+    log.exception("%s failed", method)
+    return TensorcastError(f"{method}: {type(error).__name__}: {error}")
+
+
 def _guard(behavior: Callable, streaming_response: bool, method: str) -> Callable:
     name = method.rpartition("/")[2]
     if streaming_response:
@@ -49,6 +56,8 @@ def _guard(behavior: Callable, streaming_response: bool, method: str) -> Callabl
                 yield from behavior(request, context)
             except TensorcastError as e:
                 _abort(context, e)
+            except Exception as e:
+                _abort(context, _internal(name, e))
             finally:
                 RPC_LATENCY.observe(name, time.perf_counter() - started)
 
@@ -60,6 +69,8 @@ def _guard(behavior: Callable, streaming_response: bool, method: str) -> Callabl
             return behavior(request, context)
         except TensorcastError as e:
             _abort(context, e)
+        except Exception as e:
+            _abort(context, _internal(name, e))
         finally:
             RPC_LATENCY.observe(name, time.perf_counter() - started)
 

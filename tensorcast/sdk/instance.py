@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tensorcast.instance")
 
 MAX_OPS_IN_FLIGHT = 4
+MAX_OPS_QUEUED = 64  # received, waiting for one of the MAX_OPS_IN_FLIGHT threads
 MAX_OUTGOING = 256
 RECONNECT_MAX_S = 2.0
 RECEIVE_BUFFERS_KEPT_BYTES = 256 << 20  # idle page buffers kept for the next hydrate
@@ -73,6 +74,8 @@ class InstanceRuntime:
         self._closed = threading.Event()
         self._attached = threading.Event()
         self._ops = ThreadPoolExecutor(MAX_OPS_IN_FLIGHT, thread_name_prefix="instance-op")
+        self._queued = 0  # submitted to _ops, not started yet
+        self._queued_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="attach", daemon=True)
 
     def start(self, timeout_s: float = 10.0) -> InstanceRuntime:
@@ -154,11 +157,53 @@ class InstanceRuntime:
                 self._attached.set()
                 log.info("instance %s attached to worker %s", self.instance_id, self.worker.name)
                 continue
-            self._ops.submit(self._handle, command, outgoing)
+            # The worker gives up on a command after its timeout: one that has waited here
+            # that long is not run at all (its plan failed, and a retry would run it again).
+            expires = time.monotonic() + command.timeout_ms / 1000
+            with self._queued_lock:
+                full = self._queued >= MAX_OPS_QUEUED
+                self._queued += 0 if full else 1
+            if full:
+                self._reply_error(
+                    command,
+                    outgoing,
+                    errors.ResourceExhausted(
+                        f"instance {self.instance_id} has {MAX_OPS_QUEUED} operations waiting"
+                    ),
+                )
+            else:
+                self._ops.submit(self._handle, command, outgoing, expires)
             if self._closed.is_set():
                 return
 
-    def _handle(self, command: pb.InstanceCommand, outgoing: queue.Queue) -> None:
+    def _reply_error(
+        self, command: pb.InstanceCommand, outgoing: queue.Queue, error: errors.TensorcastError
+    ) -> None:
+        reply = pb.InstanceMessage(
+            call_id=command.call_id,
+            error_kind=errors.public_name(error),
+            error_message=str(error),
+        )
+        try:
+            outgoing.put(reply, timeout=5.0)
+        except queue.Full:
+            log.warning("dropping the reply to %s: the stream is stuck", command.op)
+
+    def _handle(self, command: pb.InstanceCommand, outgoing: queue.Queue, expires: float) -> None:
+        with self._queued_lock:
+            self._queued -= 1
+        if command.timeout_ms and time.monotonic() >= expires:
+            log.info(
+                "trace=%s op=%s not run: it waited past its deadline", command.trace_id, command.op
+            )
+            self._reply_error(
+                command,
+                outgoing,
+                errors.DeadlineExceeded(
+                    f"{command.op} waited past its deadline on instance {self.instance_id}: not run"
+                ),
+            )
+            return
         reply = pb.InstanceMessage(call_id=command.call_id)
         started = time.monotonic()
         try:

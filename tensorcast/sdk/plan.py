@@ -35,7 +35,9 @@ DEFAULT_DEADLINE_MS = 30_000
 @dataclass(frozen=True)
 class CallContext:
     """Trace id (logs on every worker the plan touches), deadline for the whole plan, and the
-    idempotency key its result is recorded under (default: none, every run is new)."""
+    idempotency key its result is recorded under (default: none, every run is new). A key names
+    one plan: the same plan run again under it returns the first run's result (it never runs
+    twice); another plan under it is refused (InvalidArgument)."""
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     deadline_ms: int = DEFAULT_DEADLINE_MS
@@ -172,6 +174,10 @@ class Plan:
         """
         body = self.to_json(concurrency)
         planlib.validate(body)  # malformed plans fail here, before any network call
+        if not body["idempotency_key"]:
+            # Without a key of the caller's, this run gets its own: sent again to another
+            # gateway it is still this run, and a later run is a new one.
+            body["idempotency_key"] = f"run:{uuid.uuid4().hex}"
         request = pb.PlanRequest(plan_json=json.dumps(body))
         give_up_at = time.monotonic() + self.ctx.deadline_ms / 1000 + 2.0
         candidates = rt.gateways(gateway)
@@ -182,7 +188,7 @@ class Plan:
             try:
                 reply = rt.worker_stub(target).call("RunPlan", request, timeout_s=left_s)
                 break
-            except Unreachable:
+            except (Unreachable, errors.ResourceExhausted):  # gone, or running its limit
                 if i == len(candidates) - 1:
                     raise
         result = json.loads(reply.result_json)

@@ -9,6 +9,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -53,9 +54,10 @@ class InstanceSession:
             timeout_ms=max(1, int(timeout_s * 1000)),
             trace_id=trace_id,
         )
+        deadline = time.monotonic() + timeout_s  # one for the queueing and the answer
         try:
             self.commands.put(command, timeout=timeout_s)
-            return future.result(timeout=timeout_s)
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Full:
             raise errors.ResourceExhausted(
                 f"instance {self.info.instance_id} has {MAX_QUEUED_COMMANDS} operations queued"

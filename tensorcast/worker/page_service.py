@@ -99,11 +99,15 @@ class PageService:
         Pages are asked for under the current lease (a shard may have moved since the refs were
         made: the hash still pins the content); a home that moved meanwhile costs one table
         refresh and one retry."""
+        deadline = time.monotonic() + timeout_s  # the retry gets what is left, not more
         try:
             return self._prefetch_once(refs, timeout_s, ttl_s)
         except errors.FencingError:
             self.node.refresh_leases()
-            return self._prefetch_once(refs, timeout_s, ttl_s)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.DeadlineExceeded("prefetch of KV pages ran out of time") from None
+            return self._prefetch_once(refs, left, ttl_s)
 
     def _prefetch_once(self, refs: list[dict], timeout_s: float, ttl_s: float) -> int:
         """Pages whose homes are elsewhere, read over the native data plane from every home at

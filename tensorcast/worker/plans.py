@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -41,6 +42,11 @@ BACKOFF_S = 0.05
 MAX_BACKOFF_S = 0.5
 RETRY_WINDOW_S = 6.0
 WAIT_POLL_S = 0.1
+# Plans a gateway runs (or waits on, for a key running elsewhere) at once: each holds one of
+# the worker's RPC threads for up to its deadline, and the rest must stay free for its other
+# calls (steps, pages, transfers). Past it a plan is refused (ResourceExhausted: the caller
+# tries another gateway).
+MAX_PLANS_IN_FLIGHT = 24
 
 
 class StepRunner:
@@ -138,15 +144,33 @@ class PlanExecutor:
     def __init__(self, node: WorkerNode, runner: StepRunner) -> None:
         self.node = node
         self.runner = runner
+        self.in_flight = 0  # plans running or waiting on their key here (a metric)
+        self._lock = threading.Lock()
 
     def run(self, plan: dict) -> dict:
         planlib.validate(plan)
+        with self._lock:
+            if self.in_flight >= MAX_PLANS_IN_FLIGHT:
+                raise errors.ResourceExhausted(
+                    f"gateway {self.node.name} runs {MAX_PLANS_IN_FLIGHT} plans already"
+                )
+            self.in_flight += 1
+        try:
+            return self._run(plan)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _run(self, plan: dict) -> dict:
         started = time.monotonic()
         deadline = started + plan["deadline_ms"] / 1000
         trace_id = str(plan.get("trace_id") or "")
         if not trace_id:
             raise errors.InvalidArgument("a plan needs a trace_id")
-        key = str(plan.get("idempotency_key") or f"trace:{trace_id}")
+        # No key: this run is new, never another's result (the SDK sends one key per run, the
+        # same to every gateway it tries).
+        key = str(plan.get("idempotency_key") or f"run:{uuid.uuid4().hex}")
+        digest = _plan_digest(plan)
         try:
             routes = self._routes(plan["steps"])
         except errors.TensorcastError:
@@ -154,13 +178,14 @@ class PlanExecutor:
             # still running elsewhere cannot finish ok without that target: the error stands.)
             done = self._recorded(key)
             if done is not None and done.status == "ok":
+                _check_same_plan(done, digest)
                 return dict(done.result, replayed=True)
             raise
         record = PlanRecord(
             key,
             trace_id,
             "running",
-            {},
+            {"plan_digest": digest},
             0.0,
             deadline_at=time.time() + (deadline - started),
             run_id=uuid.uuid4().hex,  # a re-sent BeginPlan of this run is this run
@@ -169,6 +194,7 @@ class PlanExecutor:
         previous = plan_from_pb(begun.existing) if begun.HasField("existing") else None
         if not begun.started:
             assert previous is not None
+            _check_same_plan(previous, digest)
             return self._await_recorded(previous, deadline)
         reused = _finished_steps(previous, plan["steps"])
         log.info(
@@ -189,7 +215,7 @@ class PlanExecutor:
                 error = {"kind": errors.public_name(e), "message": str(e)}
             else:
                 error = {"kind": "TensorcastError", "message": f"{type(e).__name__}: {e}"}
-            failed = {"status": "failed", "error": error, "steps": []}
+            failed = {"status": "failed", "error": error, "steps": [], "plan_digest": digest}
             self.node.store.call(
                 "FinishPlan", plan_to_pb(PlanRecord(key, trace_id, "failed", failed, 0.0))
             )
@@ -197,6 +223,7 @@ class PlanExecutor:
         result.update(
             trace_id=trace_id,
             idempotency_key=key,
+            plan_digest=digest,
             duration_s=round(time.monotonic() - started, 4),
             replayed=False,
             gateway=self.node.name,
@@ -227,7 +254,9 @@ class PlanExecutor:
                 if not inst.alive:
                     raise errors.Unavailable(f"step {step['id']}: instance {target!r} is not alive")
                 target = inst.worker_id
-            worker = next((w for w in workers if target in (w.worker_id, w.name)), None)
+            # A worker restarted under its name is listed twice until the dead entry expires.
+            named = [w for w in workers if target in (w.worker_id, w.name)]
+            worker = next((w for w in named if w.alive), named[0] if named else None)
             if worker is None:
                 raise errors.InvalidArgument(f"step {step['id']}: no worker {target!r}")
             if not worker.alive:
@@ -281,6 +310,7 @@ class PlanExecutor:
                     for i in ready[: plan.get("concurrency", 1) - len(running)]:
                         try:
                             args = planlib.resolve(steps[i].get("args", {}), results)
+                            planlib.check_args(dict(steps[i], args=args))
                         except errors.TensorcastError as e:  # a field the input's op lacks
                             error = {"kind": errors.public_name(e), "message": str(e)}
                             traces[i] = {
@@ -378,6 +408,24 @@ class PlanExecutor:
             timeout_s=timeout_s + 0.5,
         )
         return json.loads(reply.result_json)
+
+
+def _plan_digest(plan: dict) -> str:
+    """What a plan does: its steps (ops, targets, arguments, order), not its deadline, trace
+    or concurrency."""
+    text = json.dumps(plan["steps"], sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def _check_same_plan(record: PlanRecord, digest: str) -> None:
+    """A key names one plan: another plan under it is refused, never answered with the first
+    one's result (records from before digests were kept carry none)."""
+    recorded = record.result.get("plan_digest")
+    if recorded and recorded != digest:
+        raise errors.InvalidArgument(
+            f"idempotency key {record.idempotency_key!r} names another plan (trace "
+            f"{record.trace_id}): use a new key for a new plan"
+        )
 
 
 def _args_digest(step: dict) -> str:

@@ -21,8 +21,10 @@ from tensorcast.transport import native, shm
 from tensorcast.transport.unix import page_socket_name, socket_address
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.gpu_tier import GpuTier
+from tensorcast.worker.instances import MAX_ATTACHED
 from tensorcast.worker.local_server import LocalServer
 from tensorcast.worker.node import ROLES, WorkerNode
+from tensorcast.worker.plans import MAX_PLANS_IN_FLIGHT, PlanExecutor
 from tensorcast.worker.pool import Pool
 from tensorcast.worker.service import WorkerService
 from tensorcast.worker.transfers import Transfers
@@ -65,6 +67,7 @@ METRIC_HELP = {
     "tc_kv_remote_page_connections": "open page connections from other hosts",
     "tc_gpu_tier_loads_total": "contents copied from the pool into the GPU tier",
     "tc_gpu_tier_evictions_total": "contents evicted from the GPU tier to make room",
+    "tc_plans_in_flight": "plans this gateway runs, or waits on for a key running elsewhere",
 }
 
 
@@ -82,7 +85,11 @@ def _gpu_samples(gpu: GpuTier | None) -> list[Sample]:
 
 
 def _samples(
-    node: WorkerNode, transfers: Transfers, page_server: Any, gpu: GpuTier | None = None
+    node: WorkerNode,
+    transfers: Transfers,
+    page_server: Any,
+    gpu: GpuTier | None,
+    plans: PlanExecutor,
 ) -> list[Sample]:
     stats = node.pool.stats()
     disk = node.disk.content_ids() if node.disk else []
@@ -118,6 +125,7 @@ def _samples(
         ("tc_kv_remote_page_bytes_total", {"direction": "in"}, remote.get("bytes_received", 0)),
         ("tc_kv_remote_page_bytes_total", {"direction": "out"}, remote.get("bytes_sent", 0)),
         ("tc_kv_remote_page_connections", {}, remote.get("active_connections", 0)),
+        ("tc_plans_in_flight", {}, plans.in_flight),
     ]
 
 
@@ -160,8 +168,9 @@ def serve(
     disk = DiskTier(disk_dir) if disk_dir else None
     token = accepted_tokens(token)
     node = WorkerNode(pool, store_addr, token, name, roles, rpc_timeout_s, disk, tls)
-    # Attach streams hold a thread each for their lifetime; plans nest calls between workers.
-    server = make_server(token, max_workers=64)
+    # Attach streams hold a thread each for their lifetime, plans one each for up to their
+    # deadline (both bounded); the rest serve every other call.
+    server = make_server(token, max_workers=MAX_ATTACHED + MAX_PLANS_IN_FLIGHT + 16)
     host = listen.rpartition(":")[0]
     data_server = native.data_server(host, pool.mm, token, tls=tls)
     faults = fault_injection()
@@ -189,7 +198,7 @@ def serve(
     data_server.serve_pages(node.pages.index, token, pool.capacity_bytes)
     metrics = MetricsServer(
         metrics_listen,
-        lambda: _samples(node, transfers, page_server, gpu),
+        lambda: _samples(node, transfers, page_server, gpu, service.plans),
         METRIC_HELP,
         lambda: _health(node, heartbeat_interval_s),
     )
