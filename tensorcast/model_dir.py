@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tensorcast.errors import InvalidArgument
-from tensorcast.safetensors_file import SafetensorsHeader, duplicate_keys, read_header
+from tensorcast.safetensors_file import (
+    FileFacts,
+    SafetensorsHeader,
+    duplicate_keys,
+    facts_of,
+    read_header,
+)
 from tensorcast.types import TENSOR_ALIGN_BYTES, TensorMeta, align_up
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -23,22 +29,20 @@ MAX_BLOB_BYTES = 64 * 1024 * 1024
 SKIPPED_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"}
 
 
-# What tells a file replaced or rewritten since it was scanned: path, size, mtime_ns, inode.
-FileFacts = tuple[str, int, int, int]
-
-
 def file_facts(path: Path) -> FileFacts:
-    st = os.stat(path)
-    return (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    return facts_of(path, os.stat(path))
 
 
 @dataclass(frozen=True)
 class ModelFiles:
     headers: tuple[SafetensorsHeader, ...]
     blobs: tuple[Path, ...]
+    blob_facts: tuple[FileFacts, ...]  # as scanned (their sizes are what is laid out)
 
-    def fingerprint_paths(self) -> list[Path]:
-        return [h.path for h in self.headers] + list(self.blobs)
+    def facts(self) -> list[FileFacts]:
+        """Every file as it was when scanned: the layout holds for exactly these files (a file
+        changed since fails the read, and keys the put cache)."""
+        return [h.facts for h in self.headers] + list(self.blob_facts)
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,8 @@ def layout(files: ModelFiles) -> FileLayout:
             metas.append(TensorMeta(t.name, t.dtype, t.shape, t.end - t.begin, size + t.begin))
         extents.append(Extent(h.path, h.data_offset, h.data_size, size))
         size = align_up(size + h.data_size, TENSOR_ALIGN_BYTES)
-    for blob in files.blobs:
-        length = blob.stat().st_size
+    for blob, facts in zip(files.blobs, files.blob_facts):
+        length = facts[1]
         metas.append(TensorMeta(FILE_PREFIX + blob.name, "U8", (length,), length, size))
         extents.append(Extent(blob, 0, length, size))
         size = align_up(size + length, TENSOR_ALIGN_BYTES)
@@ -87,7 +91,7 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
 def scan(path: str | os.PathLike[str]) -> ModelFiles:
     path = Path(path)
     if path.is_file():
-        return ModelFiles((read_header(path),), ())
+        return ModelFiles((read_header(path),), (), ())
     if not path.is_dir():
         raise InvalidArgument(f"{path}: no such file or directory")
     index_path = path / INDEX_FILE
@@ -106,19 +110,31 @@ def scan(path: str | os.PathLike[str]) -> ModelFiles:
                     f"tensor {t.name!r} appears in both {seen[t.name]} and {h.path.name}"
                 )
             seen[t.name] = h.path.name
-    blobs = []
+    blobs, blob_facts = [], []
     for p in sorted(path.iterdir()):
         if not p.is_file() or p.name.startswith(".") or p.suffix == ".safetensors":
             continue
         if p.suffix in SKIPPED_SUFFIXES:
             continue
-        if p.stat().st_size > MAX_BLOB_BYTES:
+        try:
+            facts = file_facts(p)
+        except OSError as e:
+            raise InvalidArgument(f"{p}: cannot read: {e.strerror or e}") from None
+        if facts[1] > MAX_BLOB_BYTES:
             raise InvalidArgument(
-                f"{p}: {p.stat().st_size} bytes is too large to keep alongside the weights "
+                f"{p}: {facts[1]} bytes is too large to keep alongside the weights "
                 f"(limit {MAX_BLOB_BYTES}); move it out of the directory"
             )
         blobs.append(p)
-    return ModelFiles(tuple(headers), tuple(blobs))
+        blob_facts.append(facts)
+    # A tensor named like a file's entry would make an artifact with one name twice.
+    clash = sorted(FILE_PREFIX + p.name for p in blobs if FILE_PREFIX + p.name in seen)
+    if clash:
+        raise InvalidArgument(
+            f"tensor {clash[0]!r} in {seen[clash[0]]} has the name the file "
+            f"{clash[0][len(FILE_PREFIX) :]!r} is kept under: rename the tensor or move the file"
+        )
+    return ModelFiles(tuple(headers), tuple(blobs), tuple(blob_facts))
 
 
 def _indexed(directory: Path, index_path: Path) -> list[SafetensorsHeader]:
@@ -128,6 +144,8 @@ def _indexed(directory: Path, index_path: Path) -> list[SafetensorsHeader]:
         assert isinstance(weight_map, dict)
     except InvalidArgument:
         raise
+    except OSError as e:  # e.g. a directory of that name
+        raise InvalidArgument(f"{index_path}: cannot read: {e.strerror or e}") from None
     except (ValueError, KeyError, AssertionError, TypeError, RecursionError):
         raise InvalidArgument(
             f"{index_path}: not a valid index (needs a weight_map object)"

@@ -32,6 +32,14 @@ class FileTensor:
     end: int
 
 
+# What tells a file replaced or rewritten since it was read: path, size, mtime_ns, inode.
+FileFacts = tuple[str, int, int, int]
+
+
+def facts_of(path: Path, st: os.stat_result) -> FileFacts:
+    return (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
 @dataclass(frozen=True)
 class SafetensorsHeader:
     path: Path
@@ -39,6 +47,9 @@ class SafetensorsHeader:
     data_size: int
     tensors: tuple[FileTensor, ...]  # in data-section order
     metadata: dict[str, str]
+    # The file the header was read from, as it was then (taken from the open handle): a file
+    # replaced afterwards is told apart by these, never read with this header's offsets.
+    facts: FileFacts
 
 
 def duplicate_keys(pairs: list[tuple[str, object]]) -> list[str]:
@@ -65,7 +76,8 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
 
     try:
         with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            file_size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise bad(f"file is {file_size} bytes, shorter than the 8-byte header length")
@@ -109,7 +121,9 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise bad(f"tensors need {position} data bytes but the file has {data_size} (truncated?)")
     if position < data_size:
         raise bad(f"{data_size - position} trailing bytes after the last tensor")
-    return SafetensorsHeader(path, data_offset, data_size, tuple(tensors), metadata)
+    return SafetensorsHeader(
+        path, data_offset, data_size, tuple(tensors), metadata, facts_of(path, st)
+    )
 
 
 def _parse_entry(name: str, entry: object, bad) -> FileTensor:

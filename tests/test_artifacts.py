@@ -328,3 +328,104 @@ def _all_threads_stopped(pid: int) -> bool:
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
     return bool(states) and all(state == "T" for state in states)
+
+
+def test_bad_local_put_requests_leak_no_pool_space_and_store_no_bad_shapes(cluster):
+    """A same-host client that skips the SDK: a put item naming held content together with
+    a reservation, one whose tensors do not parse, and a tensor of negative shape are
+    refused, and every reservation they carried is freed (the session no longer lists them,
+    so nothing else would)."""
+    with cluster.connect() as rt:
+        worker = rt.resolve_worker("worker-1")
+        conn = rt.local_connection(worker)
+        before = pool_used(rt)["worker-1"]
+        held = rt.put({"w": torch.ones(4)}, "leak/held").content_id
+        mib = 1 << 20
+        bad_items = [
+            {"art_id": "leak/both", "owner": "system", "content_id": held},
+            {"art_id": "leak/unparsed", "owner": "system", "tensors": [{"name": "a"}]},
+        ]
+        for item in bad_items:
+            (res,) = conn.request({"op": "reserve_many", "sizes": [32 * mib]})["reservations"]
+            with pytest.raises(tc.InvalidArgument):
+                conn.request({"op": "put", "items": [dict(item, reservation_id=res[0])]})
+        negative = {"name": "w", "dtype": "F32", "shape": [-1, -4], "size_bytes": 16}
+        negative |= {"offset_bytes": 0, "hash": ""}
+        with pytest.raises(tc.InvalidArgument, match="needs ints >= 0"):
+            conn.request(
+                {
+                    "op": "put",
+                    "items": [
+                        {
+                            "art_id": "leak/negative",
+                            "owner": "system",
+                            "blob_offset": 0,
+                            "size_bytes": 16,
+                            "tensors": [negative],
+                        }
+                    ],
+                },
+                blob=bytes(16),
+            )
+        with pytest.raises(tc.NotFound):
+            rt.info("leak/negative")
+        rt.delete("leak/held")
+        wait_until(lambda: pool_used(rt)["worker-1"] <= before, 30)
+
+
+def test_a_file_replaced_after_its_header_was_read_is_never_read_with_that_header(tmp_path):
+    """`tc put` reads a shard's header, then its bytes: a shard replaced in between (written
+    aside, renamed over) must fail the put, not store the new file's bytes under the old
+    header's offsets (and the put cache must not remember that content for the new file)."""
+    from safetensors.torch import save_file
+
+    from tensorcast import model_dir
+    from tensorcast.sdk import writes
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"weight": torch.ones(4, 4), "bias": torch.zeros(4)}, str(model / "a.safetensors"))
+    files = model_dir.scan(model)
+    replaced = tmp_path / "new.safetensors"
+    save_file({"weight": torch.full((8, 8), 2.0)}, str(replaced))
+    replaced.replace(model / "a.safetensors")
+    _, size, fill = writes.plan_files(files)
+    with pytest.raises(tc.IntegrityError, match="changed while it was being put"):
+        fill(bytearray(size), 0, None)
+
+
+def test_a_tensor_named_like_a_kept_file_is_refused(tmp_path):
+    """A model directory's other files are kept as tensors `__file__/NAME`: a shard tensor of
+    that name would make an artifact holding one name twice (unreadable)."""
+    from safetensors.torch import save_file
+
+    from tensorcast import model_dir
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"__file__/config.json": torch.ones(2)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    with pytest.raises(tc.InvalidArgument, match=r"'__file__/config\.json'"):
+        model_dir.scan(model)
+    index = tmp_path / "indexed"
+    index.mkdir()
+    save_file({"w": torch.ones(2)}, str(index / "model.safetensors"))
+    (index / "model.safetensors.index.json").mkdir()  # not a file
+    with pytest.raises(tc.InvalidArgument, match="cannot read"):
+        model_dir.scan(index)
+
+
+def test_a_put_larger_than_the_pool_evicts_nothing(cluster):
+    """No eviction can make room for more than the whole pool: such a put is refused at once,
+    and the replicas that eviction would have dropped stay."""
+    with cluster.connect() as rt:
+        art = rt.put({"w": torch.ones(1024)}, "evict/kept", worker="worker-1")
+        art.prefetch("worker-2")  # worker-2's copy is evictable: worker-1 holds another
+        holders = {r.worker_id for r in rt.info("evict/kept").replicas}
+        capacity = rt.resolve_worker("worker-2").mem_cap_bytes
+        too_big = torch.empty(capacity // 4 + 1024, dtype=torch.float32)
+        with pytest.raises(tc.ResourceExhausted):
+            rt.put({"w": too_big}, "evict/too-big", worker="worker-2")
+        assert {r.worker_id for r in rt.info("evict/kept").replicas} == holders
+        assert len(holders) == 2
+        rt.delete("evict/kept")

@@ -175,3 +175,25 @@ def test_without_interface_v1_values_are_found_with_a_host_pool_registered(clust
     assert reader.batch_exists(["g0", "g1"]) == 1 and reader.exists("g0")
     (got,) = reader.batch_get(["g0"])
     assert got is not None and torch.equal(got, value)
+
+
+def test_values_are_shared_only_between_pools_of_one_layout_and_dtype(cluster):
+    """Without interface_v1 values are pages by key: two engines of one model whose host
+    pools lay a page out differently (layer-first against page-first) would read each
+    other's pages as transposed KV, so they do not share them; a value read into a target
+    of another dtype is a miss."""
+    page_first = _backend(cluster, model="layouts", v1=False)
+    layer_first = _backend(cluster, model="layouts", v1=False)
+    same = _backend(cluster, model="layouts", v1=False)
+    page_first.register_mem_pool_host(HostPool(16, "page_first", seed=7))
+    layer_first.register_mem_pool_host(HostPool(16, "layer_first", seed=8))
+    same.register_mem_pool_host(HostPool(16, "page_first", seed=9))
+    value = torch.randn(2 * LAYERS * PAGE * HEADS * DIM).to(torch.bfloat16)
+    assert page_first.batch_set(["l0"], [value])
+    assert layer_first.batch_exists(["l0"]) == 0
+    assert layer_first.batch_get(["l0"]) == [None]
+    assert same.batch_exists(["l0"]) == 1
+    target = torch.zeros_like(value)
+    assert same.batch_get(["l0"], [target]) == [target] and torch.equal(target, value)
+    other_dtype = torch.zeros(value.numel() // 2, dtype=torch.float32)  # as many bytes
+    assert same.batch_get(["l0"], [other_dtype]) == [None]

@@ -404,7 +404,7 @@ def test_a_preemption_waits_only_for_the_preempted_requests_saves():
         _in_flight=defaultdict(int),
         _saved_any=set(),
         _finished=set(),
-        _load_failed=set(),
+        _step_failed=False,
         _saver=None,
     )
     release = threading.Event()
@@ -439,6 +439,111 @@ def test_a_preemption_waits_only_for_the_preempted_requests_saves():
     assert started == ["busy"]  # the cancelled save never ran
     assert conn.get_finished(set()) == ({"busy"}, None)
     conn.shutdown()
+
+
+def test_a_step_whose_load_failed_saves_nothing_and_still_releases_its_requests():
+    """A load failure in a step drops every save of that step, not only its own request's:
+    another request may read the block vLLM shared from it in the same forward. The dropped
+    requests still finish (the scheduler holds their blocks until get_finished says so)."""
+    import threading
+    from collections import defaultdict
+
+    from tensorcast.integrations.vllm.connector import (
+        BlockJob,
+        TensorCastConnector,
+        TensorCastConnectorMetadata,
+        TensorCastConnectorStats,
+    )
+
+    conn = object.__new__(TensorCastConnector)
+    conn.__dict__.update(
+        _lock=threading.Lock(),
+        _stats_lock=threading.Lock(),
+        _stats=TensorCastConnectorStats(),
+        _futures={},
+        _in_flight=defaultdict(int),
+        _saved_any=set(),
+        _finished=set(),
+        _step_failed=True,  # as start_load_kv leaves it when a page failed
+        _saver=None,
+    )
+    saved = []
+
+    def save(job: BlockJob) -> None:
+        saved.append(job.req_id)
+        with conn._lock:
+            conn._in_flight[job.req_id] -= 1
+
+    conn._save = save
+    conn._connector_metadata = TensorCastConnectorMetadata(
+        saves=[BlockJob("owner", [1], ["p1"]), BlockJob("sharer", [2], ["p2"])]
+    )
+    conn.wait_for_save()
+    conn.finish_saves()
+    assert saved == [] and conn.get_kv_connector_stats().data["dropped_saves"] == 2
+    assert conn.get_finished({"owner", "sharer"}) == ({"owner", "sharer"}, None)
+    conn._connector_metadata = TensorCastConnectorMetadata(saves=[BlockJob("next", [3], ["p3"])])
+    conn.wait_for_save()  # the next step saves again
+    conn.finish_saves()
+    assert saved == ["next"]
+    conn.shutdown()
+
+
+def test_strided_loads_are_staged_in_bounded_chunks():
+    """Pages of strided block views are read through staging buffers: at most
+    MAX_STAGING_BYTES of them at once, however long the prefix hit."""
+    import torch
+
+    from tensorcast.integrations.vllm import connector
+
+    physical = torch.zeros(64, 4, 16, 8)  # [blocks, tokens, heads, size]: strided per block
+    strided = physical.permute(0, 2, 1, 3)
+    pending = [(b, f"k{b}", strided.select(0, b)) for b in range(64)]
+    pending += [(b, f"c{b}", physical.select(0, b)) for b in range(64)]  # contiguous: free
+    per_view = 4 * 16 * 8 * 4
+    old = connector.MAX_STAGING_BYTES
+    connector.MAX_STAGING_BYTES = 10 * per_view
+    try:
+        chunks = list(connector._staging_chunks(pending))
+    finally:
+        connector.MAX_STAGING_BYTES = old
+    assert [item for chunk in chunks for item in chunk] == pending
+    for chunk in chunks:
+        staged = sum(1 for _, _, view in chunk if not view.is_contiguous())
+        assert staged <= 10
+    assert len(chunks) == 7  # 64 strided views, 10 per chunk
+
+
+def test_the_model_key_tells_apart_how_the_same_weights_run(tmp_path):
+    """Pages are shared by engines running the same weights the same way; the same weights
+    quantized, in another dtype, or with config overrides (RoPE scaling) make other KV."""
+    from types import SimpleNamespace
+
+    from tensorcast.integrations.vllm.connector import _model_key
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+
+    def key(**changes) -> str:
+        model_config = SimpleNamespace(
+            model=str(model), revision=None, dtype="bfloat16", quantization=None, hf_overrides={}
+        )
+        for name, value in changes.items():
+            setattr(model_config, name, value)
+        load_config = SimpleNamespace(load_format="auto", model_loader_extra_config={})
+        return _model_key(SimpleNamespace(model_config=model_config, load_config=load_config))
+
+    base = key()
+    assert key() == base
+    variants = [
+        key(quantization="fp8"),
+        key(dtype="float16"),
+        key(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        key(revision="v2"),
+    ]
+    assert len({base, *variants}) == 5
 
 
 def test_llm_construction_reports_clear_errors(cluster, tiny_model, first_run):

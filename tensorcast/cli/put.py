@@ -65,7 +65,7 @@ def command(
 
     if ttl is not None:
         check_lease_ttl(ttl)
-    total = sum(p.stat().st_size for p in scan(path).fingerprint_paths())
+    total = sum(facts[1] for facts in scan(path).facts())
     with connect(state_dir, addr, token) as rt:
         started = time.perf_counter()
         if by_reference:

@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from tensorcast.errors import InvalidArgument, TensorcastError
 from tensorcast.integrations.connection import connection_options, runtime
 from tensorcast.integrations.vllm.keys import digest_of
+from tensorcast.tensors import dtype_name
 
 log = logging.getLogger("tensorcast.sglang")
 DEFAULT_TTL_S = 3600.0
@@ -83,6 +84,10 @@ class TensorCastHiCacheStorage(HiCacheStorage):
     # -- keys -----------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
+        """A value's page: under the host pool's layout once one is registered (two engines
+        whose pools lay a page out differently, or in another dtype, never share it)."""
+        if self._layout:
+            return f"{self.prefix}/{self._layout}/v/{key}"
         return f"{self.prefix}/{key}"
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -200,7 +205,11 @@ class TensorCastHiCacheStorage(HiCacheStorage):
                 out.append(None)
             elif target_locations is not None:
                 target = target_locations[i]
-                out.append(target if page.data.nbytes == into[i].numel() else None)  # type: ignore[index]
+                fits = page.data.nbytes == into[i].numel() and page.dtype in (  # type: ignore[index]
+                    dtype_name(target.dtype),
+                    "U8",  # stored from raw bytes
+                )
+                out.append(target if fits else None)
             else:
                 out.append(page.tensor())
         return out

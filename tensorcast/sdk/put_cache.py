@@ -10,13 +10,13 @@ import os
 from pathlib import Path
 
 from tensorcast.config import cache_dir
-from tensorcast.model_dir import file_facts
+from tensorcast.model_dir import FileFacts
 
 MAX_ENTRIES = 256
 
 
-def fingerprint(paths: list[Path]) -> str:
-    facts = [file_facts(p.resolve()) for p in paths]
+def fingerprint(facts: list[FileFacts]) -> str:
+    """The files as scanned (the facts their layout was read from, resolved paths)."""
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()
 
 

@@ -381,8 +381,8 @@ class Runtime:
         owner = OWNER_LEASE if ttl_s else OWNER_SYSTEM
         if by_reference:
             return self._put_reference(art_id, path, owner, ttl_s or 0.0, worker)
-        files = model_dir.scan(path)
-        key = put_cache.fingerprint(files.fingerprint_paths())
+        files = model_dir.scan(Path(path).resolve())
+        key = put_cache.fingerprint(files.facts())
         known = put_cache.lookup(key) if worker is None else None
         if known is not None and self.held_contents([known]):
             try:  # the cluster holds these files' content: name it, read nothing

@@ -41,7 +41,7 @@ def plan_files(files: ModelFiles) -> tuple[list[TensorMeta], int, Filler]:
     Files replaced or rewritten since they were scanned (size, mtime or inode changed), before
     or while they are read, fail the fill: their bytes no longer match the scanned layout."""
     plan = layout(files)
-    scanned = _facts(files.fingerprint_paths())
+    scanned = files.facts()  # as the headers were read: a file replaced since fails the fill
 
     def fill(dest: Any, base: int, progress: Progress | None) -> None:
         _check_unchanged(scanned)

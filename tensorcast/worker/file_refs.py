@@ -122,7 +122,7 @@ def describe(path: str | os.PathLike[str]) -> FileReference:
     try:
         files = scan(Path(path).resolve())
         plan = layout(files)
-        facts = tuple(file_facts(p) for p in dict.fromkeys(e.path for e in plan.extents))
+        facts = tuple(files.facts())  # as read: a file replaced since is refused on read
     except OSError as e:
         raise InvalidArgument(f"{path}: {e.strerror or e}") from None
     return FileReference(reference_id(plan.tensors, facts), plan, facts)

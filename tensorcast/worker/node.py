@@ -153,6 +153,8 @@ class WorkerNode:
             return self.pool.reserve(size_bytes)
         except ResourceExhausted as full:
             error = full
+        if size_bytes > self.pool.capacity_bytes:
+            raise error  # no eviction can make room for it: evict nothing
         for content_id in self.pool.eviction_candidates():
             found = self.store.call("FindContent", pb.FindContentRequest(content_id=content_id))
             # Unknown to the store, or registered by reference (read again from its files):
@@ -528,8 +530,8 @@ class WorkerNode:
                     content_id = self._commit_item(item, blob, committed, replicas, layouts)
                 except TensorcastError as e:
                     raise type(e)(f"{member(index, str(item.get('art_id')))}: {e}") from None
-                finally:
-                    open_reservations.discard(int(item.get("reservation_id", -1)))
+                # Committed (now registered), or the held content it named: not ours to abort.
+                open_reservations.discard(int(item.get("reservation_id", -1)))
                 artifacts.append(
                     pb.NewArtifact(
                         art_id=str(item["art_id"]),
@@ -578,6 +580,8 @@ class WorkerNode:
     ) -> str:
         """Commit one batch item's bytes (unless it names held content); returns its content."""
         if "content_id" in item:
+            if "reservation_id" in item:
+                raise InvalidArgument("an item names held content or bytes it wrote, not both")
             return str(item["content_id"])
         tensors = [TensorMeta.from_json(t) for t in item["tensors"]]
         if "reservation_id" in item:

@@ -274,6 +274,8 @@ def _check_layout(tensors: list[TensorMeta], region_bytes: int) -> None:
     names = set()
     for t in tensors:
         check_tensor_name(t.name)
+        if not all(type(d) is int and d >= 0 for d in t.shape):
+            raise InvalidArgument(f"tensor {t.name!r}: shape {list(t.shape)} needs ints >= 0")
         if t.dtype not in DTYPE_ITEMSIZE or t.size_bytes != tensor_nbytes(t.dtype, t.shape):
             raise InvalidArgument(f"tensor {t.name!r}: bad dtype or size for its shape")
         if t.name in names:

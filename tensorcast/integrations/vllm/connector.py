@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -215,7 +216,7 @@ class TensorCastConnector(KVConnectorBase_V1):
         self._in_flight: dict[str, int] = defaultdict(int)  # saves per request
         self._saved_any: set[str] = set()
         self._rewrite: dict[str, None] = {}  # block prefixes whose stored pages failed to load
-        self._load_failed: set[str] = set()  # requests whose loads failed in this step
+        self._step_failed = False  # a load of this step failed: its saves are dropped
         self._finished: set[str] = set()
         self._futures: dict[Future, str] = {}  # saves not done yet -> their request
         self._lock = threading.Lock()
@@ -389,14 +390,15 @@ class TensorCastConnector(KVConnectorBase_V1):
         num_blocks = self._kv_cache_config.num_blocks
         self._layers = []
         for name in self.layer_names:
+            # vLLM hands connectors standardized per-layer views, [blocks, heads, tokens,
+            # channels]: blocks at dim 0 (another dim may have as many entries).
             tensor = kv_caches[name]
-            dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
-            if len(dims) != 1:
+            if tensor.dim() < 2 or tensor.shape[0] != num_blocks:
                 raise InvalidArgument(
-                    f"TensorCastConnector: cannot tell the block dimension of {name}'s KV "
-                    f"cache {tuple(tensor.shape)} ({num_blocks} blocks)"
+                    f"TensorCastConnector: {name}'s KV cache {tuple(tensor.shape)} does not "
+                    f"have its {num_blocks} blocks at dim 0"
                 )
-            self._layers.append((tensor, dims[0]))
+            self._layers.append((tensor, 0))
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
@@ -418,41 +420,20 @@ class TensorCastConnector(KVConnectorBase_V1):
         if not isinstance(meta, TensorCastConnectorMetadata) or not meta.loads:
             return
         started = time.perf_counter()
-        wanted: list[str] = []
-        targets: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # block, view, buffer
-        owners: list[str] = []  # the request of each page
+        pending: list[tuple[int, str, torch.Tensor]] = []  # block, key, view
         for job in meta.loads:
             for block_id, prefix in zip(job.block_ids, job.prefixes):
                 for layer, key in enumerate(self._page_keys(prefix)):
-                    view = self._block(layer, block_id)
-                    wanted.append(key)
-                    targets.append((block_id, view, _staging(view)))
-                    owners.append(job.req_id)
+                    pending.append((block_id, key, self._block(layer, block_id)))
         failed: set[int] = set()
-        try:
-            pages = self._pages("load").get_pages(
-                wanted, into=[buffer.view(-1).view(torch.uint8) for _, _, buffer in targets]
-            )
-        except TensorcastError as e:
-            log.warning("TensorCast KV load failed, recomputing %d pages: %s", len(wanted), e)
-            pages = [None] * len(wanted)
         loaded_bytes = 0
-        for (block_id, view, buffer), key, page, owner in zip(targets, wanted, pages, owners):
-            if page is None or page.shape != tuple(view.shape) or page.dtype != _dtype(view):
-                failed.add(block_id)
-                # This step's forward reads the block as it is: nothing the request computes
-                # in it may be saved (wait_for_save drops its saves; vLLM recomputes it).
-                self._load_failed.add(owner)
-                if self.save_enabled:
-                    with self._lock:  # the recompute saves it again, over what is stored
-                        self._rewrite[key.rsplit("/", 1)[0]] = None
-                        while len(self._rewrite) > MAX_REWRITES:  # never saved again: forget
-                            del self._rewrite[next(iter(self._rewrite))]
-                continue
-            if buffer is not view:
-                view.copy_(buffer)
-            loaded_bytes += buffer.numel() * buffer.element_size()
+        for chunk in _staging_chunks(pending):
+            loaded_bytes += self._load_chunk(chunk, failed)
         if failed:
+            # This step's forward reads those blocks as they are, and any request may read
+            # them (vLLM shares cached blocks): nothing computed in this step is saved
+            # (wait_for_save drops every save of it); vLLM recomputes the blocks.
+            self._step_failed = True
             log.warning(
                 "TensorCast: %d KV blocks were missing or damaged, vLLM recomputes them",
                 len(failed),
@@ -465,6 +446,33 @@ class TensorCastConnector(KVConnectorBase_V1):
             loaded_bytes=loaded_bytes,
             load_s=time.perf_counter() - started,
         )
+
+    def _load_chunk(self, chunk: list[tuple[int, str, torch.Tensor]], failed: set[int]) -> int:
+        """Reads one chunk of pages into their blocks (through staging buffers for strided
+        views); adds the blocks that could not be loaded to `failed`; returns bytes loaded."""
+        wanted = [key for _, key, _ in chunk]
+        try:
+            buffers = [_staging(view) for _, _, view in chunk]
+            pages = self._pages("load").get_pages(
+                wanted, into=[buffer.view(-1).view(torch.uint8) for buffer in buffers]
+            )
+        except Exception as e:  # no memory to stage, the cluster unreachable: recompute
+            log.warning("TensorCast KV load failed, recomputing %d pages: %s", len(wanted), e)
+            buffers, pages = [], [None] * len(wanted)
+        loaded = 0
+        for i, ((block_id, key, view), page) in enumerate(zip(chunk, pages)):
+            if page is None or page.shape != tuple(view.shape) or page.dtype != _dtype(view):
+                failed.add(block_id)
+                if self.save_enabled:
+                    with self._lock:  # the recompute saves it again, over what is stored
+                        self._rewrite[key.rsplit("/", 1)[0]] = None
+                        while len(self._rewrite) > MAX_REWRITES:  # never saved again: forget
+                            del self._rewrite[next(iter(self._rewrite))]
+                continue
+            if buffers[i] is not view:
+                view.copy_(buffers[i])
+            loaded += view.numel() * view.element_size()
+        return loaded
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -481,20 +489,23 @@ class TensorCastConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Hands this step's full blocks to the save thread and returns at once."""
         meta = self._connector_metadata
-        failed, self._load_failed = self._load_failed, set()
+        step_failed, self._step_failed = self._step_failed, False
         if not isinstance(meta, TensorCastConnectorMetadata) or not meta.saves:
             return
         if self._saver is None:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="tensorcast-kv-save")
         for job in meta.saves:
-            if job.req_id in failed:
-                # Computed over a block whose load failed: wrong KV under right keys, which
-                # every engine would then load. The recompute saves these blocks again.
+            with self._lock:
+                # Reported finished by get_finished even when dropped: the scheduler holds
+                # the request's blocks until then.
+                self._saved_any.add(job.req_id)
+            if step_failed:
+                # Maybe computed over a block whose load failed: wrong KV under right keys,
+                # which every engine would then load. Not stored (a later miss, not an error).
                 self._count(dropped_saves=1)
                 continue
             with self._lock:
                 self._in_flight[job.req_id] += 1
-                self._saved_any.add(job.req_id)
             future = self._saver.submit(self._save, job)
             with self._lock:
                 self._futures[future] = job.req_id
@@ -648,6 +659,29 @@ def _root_of(request: Any) -> str | None:
     )
 
 
+MAX_STAGING_BYTES = 256 << 20  # staging buffers of strided views, at once, per load
+
+
+def _staging_chunks(
+    pending: list[tuple[int, str, torch.Tensor]],
+) -> Iterator[list[tuple[int, str, torch.Tensor]]]:
+    """`pending` cut so that each chunk's strided views need at most MAX_STAGING_BYTES of
+    staging (a long prefix hit on a strided layout would otherwise stage all of it at once,
+    beyond vLLM's KV memory budget)."""
+    chunk: list[tuple[int, str, torch.Tensor]] = []
+    staged = 0
+    for item in pending:
+        view = item[2]
+        size = 0 if view.is_contiguous() else view.numel() * view.element_size()
+        if chunk and staged + size > MAX_STAGING_BYTES:
+            yield chunk
+            chunk, staged = [], 0
+        chunk.append(item)
+        staged += size
+    if chunk:
+        yield chunk
+
+
 def _staging(view: torch.Tensor) -> torch.Tensor:
     """Where a block's page is read: the block itself when contiguous, else a contiguous
     buffer of its shape (copied in after). Not `empty_like`, which keeps a strided view's
@@ -711,18 +745,29 @@ def _layout(
 
 
 def _model_key(vllm_config: VllmConfig) -> str:
-    """The weights' identity: the artifact's content id when the model loader takes them from
-    TensorCast, else a fingerprint of the model directory (`keys.model_key_of_dir`)."""
+    """The weights' identity (the artifact's content id when the model loader takes them from
+    TensorCast, else a fingerprint of the model directory: `keys.model_key_of_dir`) with how
+    this engine runs them: the dtype, a quantization, config overrides (RoPE scaling changes
+    every cached K) and the revision. The same weights run otherwise make other KV."""
     model_config = vllm_config.model_config
     load_config = vllm_config.load_config
+    overrides = model_config.hf_overrides
+    running = {
+        "dtype": str(model_config.dtype),
+        "quantization": model_config.quantization,
+        "hf_overrides": overrides
+        if isinstance(overrides, dict)
+        else f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}",
+        "revision": model_config.revision,
+    }
+    weights = ""
     if load_config.load_format == "tensorcast":
         extra = load_config.model_loader_extra_config or {}
         artifact = extra.get("artifact") or model_mod.marker_of(model_config.model).get("artifact")
         if artifact:
             loader_connection = connection.connection_options(extra, "model_loader_extra_config")
             rt = connection.runtime(**loader_connection)
-            return rt.artifact(str(artifact)).content_id[:32]
-    return keys.model_key_of_dir(
-        model_config.model,
-        {"revision": model_config.revision, "dtype": str(model_config.dtype)},
-    )
+            weights = rt.artifact(str(artifact)).content_id[:32]
+    if not weights:
+        weights = keys.model_key_of_dir(model_config.model, {"revision": model_config.revision})
+    return keys.digest_of([weights, running], 16)
