@@ -52,6 +52,8 @@ def check_tensors(tensors: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
         check_tensor_name(name)
         if not isinstance(t, torch.Tensor):
             raise InvalidArgument(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided or t.device.type == "meta":
+            raise InvalidArgument(f"{name!r}: only dense tensors with data can be stored")
         dtype_name(t.dtype)
         items.append((name, t))
     return items
@@ -59,7 +61,8 @@ def check_tensors(tensors: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as a uint8 array (a view when it is a contiguous CPU tensor)."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    # A lazily conjugated or negated view (.conj()) holds other bytes than its values.
+    flat = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
 
 

@@ -429,3 +429,52 @@ def test_a_put_larger_than_the_pool_evicts_nothing(cluster):
         assert {r.worker_id for r in rt.info("evict/kept").replicas} == holders
         assert len(holders) == 2
         rt.delete("evict/kept")
+
+
+def test_transform_into_refusals_write_nothing(rt):
+    """Every (target, source) pair is checked before any is written: a wrong shape, a name
+    with no target, or an expanded (self-overlapping) target refuses the whole call."""
+    art = rt.put({"a": torch.ones(4), "b": torch.ones(3)}, "into/ab")
+    cases = [
+        ({"a": torch.zeros(4), "b": torch.zeros(5)}, None),
+        ({"a": torch.zeros(4), "b": torch.zeros(3)}, {"a": "a", "zz": "b"}),
+        ({"a": torch.zeros(4), "b": torch.zeros(1).expand(3)}, None),
+    ]
+    for target, spec in cases:
+        with pytest.raises(tc.InvalidArgument):
+            art.transform_into(target, spec)
+        assert torch.equal(target["a"], torch.zeros(4))  # untouched
+    good = {"a": torch.zeros(4), "b": torch.zeros(3)}
+    assert sorted(art.transform_into(good)) == ["a", "b"]
+    assert torch.equal(good["b"], torch.ones(3))
+    rt.delete("into/ab")
+
+
+def test_view_refuses_bad_names_and_indices_before_the_worker_copies(rt):
+    """A view's name, lease and indices are checked before the worker cuts the slices (a
+    refusal afterwards left the copy unnamed in the pool); bad indices are InvalidArgument,
+    and a bool is not an int index."""
+    art = rt.put({"m": torch.arange(60.0).reshape(3, 4, 5)}, "views/m")
+    before = pool_used(rt)
+    for index in (slice(None, None, 0), 1.5, True, slice(0, 2.5), [True]):
+        with pytest.raises(tc.InvalidArgument):
+            art.view({"m": index}, "views/bad")
+    for name, ttl in (("", 0.0), ("views/ok", -5.0)):
+        with pytest.raises(tc.InvalidArgument):
+            art.view({"m": slice(0, 2)}, name, ttl_s=ttl)
+    assert pool_used(rt) == before  # nothing cut
+    with pytest.raises(tc.NotFound):
+        rt.info("views/bad")
+    got = art.view({"m": 1}, "views/row1").tensor_dict()["m"]
+    assert torch.equal(got, torch.arange(60.0).reshape(3, 4, 5)[1:2])
+    rt.delete("views/row1")
+    rt.delete("views/m")
+
+
+def test_lazily_conjugated_tensors_store_their_values_and_sparse_ones_are_refused(rt):
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    got = rt.put({"c": c}, "conj/c").tensor_dict()["c"]
+    assert torch.equal(got, c.resolve_conj())
+    with pytest.raises(tc.InvalidArgument, match="dense"):
+        rt.put({"s": torch.eye(3).to_sparse()}, "conj/sparse")
+    rt.delete("conj/c")

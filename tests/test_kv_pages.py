@@ -369,6 +369,34 @@ def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path
             assert [p.key for p in reply.pages] == on_late
 
 
+def test_pages_moved_to_a_joining_home_keep_their_own_expiry(fresh_cluster):
+    """A hand-off copies pages in batches sent with one TTL each: pages leased for 600 s that
+    share a shard with pages leased for 3 s must not leave with the short ones."""
+    with fresh_cluster.connect() as rt:
+        pages = rt.pages()
+        long, short = _pages(60, numel=256, tag=1.0), _pages(60, numel=256, tag=2.0)
+        long = {f"long/{k}": v for k, v in long.items()}
+        short = {f"short/{k}": v for k, v in short.items()}
+        pages.put_pages(short, ttl_s=3)
+        pages.put_pages(long, ttl_s=600)
+        with fresh_cluster.extra_worker("late-ttl"):
+            late = next(w for w in rt.workers() if w.name == "late-ttl")
+            wait_until(lambda: shards_settled(rt, 2), 30, interval_s=0.2)
+            table = pages.table(refresh=True)
+            moved = {
+                s
+                for s in range(table.num_shards)
+                if table.lease(s).holder_worker_id == late.worker_id
+            }
+            assert any(shard_of(k, table.num_shards) in moved for k in long)
+            # The short pages expire (the condition is time itself: their 3 s lease).
+            wait_until(lambda: not any(pages.exists_pages(list(short))), 30, interval_s=0.2)
+            got = pages.get_pages(list(long))
+            assert all(
+                g is not None and torch.equal(g.tensor(), long[k]) for g, k in zip(got, long)
+            )
+
+
 def test_steady_puts_take_one_round_trip_and_regions_are_checked(cluster):
     """After a first put, puts of the same page size write into regions the previous commit
     reserved (one native request each); commits naming regions that are not the connection's,

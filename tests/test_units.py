@@ -398,16 +398,16 @@ def test_a_lease_table_older_than_a_hand_off_never_brings_the_lease_back():
 
     for order in ("hand-off first", "refresh first"):
         cache = LeaseCache("me")
-        assert cache.update(table(5, "me"), sent_at=t0 + 1.0) == set()
+        assert cache.update(table(5, "me"), sent_at=t0 + 1.0) == {}
         cache.check(0, 5)
         # The hand-off's reply, and a refresh sent after it that saw the store before it.
         replies = [(table(6, "other"), t0 + 2.0), (table(5, "me"), t0 + 3.0)]
         if order == "refresh first":
             replies.reverse()
-        lost = set()
+        lost: dict = {}
         for reply, sent_at in replies:
             lost |= cache.update(reply, sent_at)
-        assert lost == {0}, order
+        assert lost == {0: None}, order
         with pytest.raises(FencingError):
             cache.check(0, 5)
         assert cache.held() == {}
@@ -417,6 +417,31 @@ def test_a_lease_table_older_than_a_hand_off_never_brings_the_lease_back():
     cache.update(table(7, "me"), sent_at=t0 + 2.0)
     cache.update(table(7, "other"), sent_at=t0 + 1.5)  # older, same token: ignored
     assert cache.held() == {0: 7}
+
+
+def test_a_lapsed_lease_keeps_its_pages_unless_another_home_held_the_shard_meanwhile():
+    """The store unreachable for longer than the lease TTL: the lease lapses still naming this
+    worker, which stops serving the shard but keeps its pages (nobody else wrote it) and takes
+    it back under the next token. Taken back under a later token, another home held it
+    meanwhile (its table never reached this worker): the pages written before are stale."""
+    from tensorcast.errors import FencingError
+    from tensorcast.types import ShardLease, ShardTable
+    from tensorcast.worker.leases import LeaseCache
+
+    def table(token: int, holder: str, expires_in_s: float = 10.0) -> ShardTable:
+        return ShardTable(1, 10.0, (ShardLease(0, holder, token, expires_in_s),))
+
+    t0 = time.monotonic()
+    cache = LeaseCache("me")
+    assert cache.update(table(5, "me"), t0 + 1.0) == {}
+    assert cache.update(table(5, "me", -1.0), t0 + 2.0) == {}  # lapsed, nobody else: kept
+    with pytest.raises(FencingError):
+        cache.check(0, 5)  # but not served
+    assert cache.update(table(6, "me"), t0 + 3.0) == {}  # taken back next: the pages hold
+    assert cache.held() == {0: 6}
+    assert cache.update(table(8, "me"), t0 + 4.0) == {0: 6}  # token 7 was another home's
+    assert cache.update(table(9, "other"), t0 + 5.0) == {0: None}  # another home: all go
+    assert cache.update(table(9, "other", -1.0), t0 + 6.0) == {}  # nothing of ours left
 
 
 def test_two_threads_spilling_one_content_both_finish_and_the_file_is_whole(tmp_path):

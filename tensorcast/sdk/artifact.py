@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensorcast.errors import (
     IntegrityError,
@@ -189,7 +189,9 @@ class Artifact:
         `spec` maps target names to artifact tensor names (default: the same names). Each target
         must have the source's shape; dtypes convert as `Tensor.copy_` does. The source tensors
         are mapped, not copied, so no second full-size allocation is made. With `strict`, every
-        target must have a source. Returns the names filled.
+        target must have a source. Every pair is checked before any is written: a refusal (a
+        target missing or not a tensor, another shape, an expanded view) writes nothing.
+        Returns the names filled.
         """
         import torch
 
@@ -198,20 +200,26 @@ class Artifact:
         missing = sorted(t for t, s in mapping.items() if s not in sources)
         if strict and missing:
             raise InvalidArgument(f"{self.art_id!r} lacks tensors for {missing[:10]}")
-        filled = []
+        pairs = []  # every pair checked before any is written: a refusal writes nothing
+        for name, source_name in mapping.items():
+            if source_name not in sources:
+                continue
+            dest = target.get(name) if isinstance(target, Mapping) else None
+            if not isinstance(dest, torch.Tensor):
+                raise InvalidArgument(f"{name}: no target tensor of that name")
+            source = sources[source_name]
+            if tuple(source.shape) != tuple(dest.shape):
+                raise InvalidArgument(
+                    f"{name}: target shape {tuple(dest.shape)} != stored "
+                    f"{source_name} {tuple(source.shape)}"
+                )
+            if any(st == 0 and n > 1 for st, n in zip(dest.stride(), dest.shape)):
+                raise InvalidArgument(f"{name}: the target's elements overlap (an expanded view)")
+            pairs.append((name, source, dest))
         with torch.no_grad():
-            for name, source_name in mapping.items():
-                if source_name not in sources:
-                    continue
-                source, dest = sources[source_name], target[name]
-                if tuple(source.shape) != tuple(dest.shape):
-                    raise InvalidArgument(
-                        f"{name}: target shape {tuple(dest.shape)} != stored "
-                        f"{source_name} {tuple(source.shape)}"
-                    )
+            for _, source, dest in pairs:
                 dest.copy_(source)
-                filled.append(name)
-        return filled
+        return [name for name, _, _ in pairs]
 
     def prefetch(
         self,
@@ -311,6 +319,15 @@ class Artifact:
         """A derived artifact `name`: every tensor, those named in `slices` sliced by the worker
         holding the data (basic indexing: an int or slice for dim 0, or a sequence of slices).
         Owned like this artifact, or caller-leased for `ttl_s` when given."""
+        from tensorcast.store.base import check_lease_ttl, validate_art_id
+
+        # Checked before the worker cuts the slices: refused afterwards, the copy it made
+        # would hold pool memory unnamed until the unreferenced sweep.
+        validate_art_id(name)
+        if ttl_s:
+            check_lease_ttl(ttl_s)
+        if not isinstance(slices, Mapping):
+            raise InvalidArgument("slices must map tensor names to an index")
         meta = self.tensor_meta()
         specs = []
         for tensor, index in slices.items():
@@ -348,18 +365,24 @@ def _remaining_ttl(info: ArtifactInfo) -> float:
 
 
 def _slice_spec(tensor: str, shape: tuple[int, ...], index: SliceLike) -> pb.SliceSpec:
-    dims: list[slice | int] = [index] if isinstance(index, (slice, int)) else list(index)
+    one = isinstance(index, (slice, int)) and not isinstance(index, bool)
+    if not one and not isinstance(index, (list, tuple)):
+        raise InvalidArgument(f"{tensor!r}: use an int, a slice or a sequence of them")
+    dims: list[Any] = [index] if one else list(index)  # type: ignore[arg-type]
     if len(dims) > len(shape):
         raise InvalidArgument(f"{tensor!r} has {len(shape)} dims, got {len(dims)} indices")
     spec = pb.SliceSpec(tensor=tensor)
     for size, d in zip(shape, dims):
-        if isinstance(d, int):  # keep the dimension: an int selects a length-1 slice
+        if isinstance(d, int) and not isinstance(d, bool):  # an int keeps a length-1 dim
             if not -size <= d < size:
                 raise InvalidArgument(f"{tensor!r}: index {d} out of range for size {size}")
             d = slice(d % size, d % size + 1)
         if not isinstance(d, slice):
             raise InvalidArgument(f"{tensor!r}: use ints or slices, got {d!r}")
-        start, stop, step = d.indices(size)
+        try:
+            start, stop, step = d.indices(size)
+        except (TypeError, ValueError) as e:  # a zero step, a float bound
+            raise InvalidArgument(f"{tensor!r}: bad slice {d!r}: {e}") from None
         if step < 1:
             raise InvalidArgument(f"{tensor!r}: negative steps are not supported")
         spec.start.append(start)

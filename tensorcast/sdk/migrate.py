@@ -42,6 +42,12 @@ def migrate(
         raise errors.InvalidArgument(f"source and target are both {source!r}: nothing to move")
     target = rt.resolve_instance(dest)
     rt.resolve_instance(source)
+    # The target's worker by name: a rerun under the same key after it restarted (a new id)
+    # is the same plan (a key names one plan), and the gateway routes a name to its live entry.
+    worker = next(
+        (w.name for w in rt.cached_workers([target.worker_id]) if w.worker_id == target.worker_id),
+        target.worker_id,
+    )
     ctx = CallContext(deadline_ms=deadline_ms, idempotency_key=idempotency_key)
     if trace_id:
         ctx = CallContext(trace_id, deadline_ms, idempotency_key)
@@ -52,7 +58,7 @@ def migrate(
         cut = {"part": part, "parts": parts} if parts > 1 else {}
         after = [flush] if flush is not None else []
         flush = plan.on_instance(source).publish(req_id, ttl_s=ttl_s, after=after, **cut)
-        warm = plan.on_worker(target.worker_id).prefetch_many(flush.pages, ttl_s=ttl_s)
+        warm = plan.on_worker(worker).prefetch_many(flush.pages, ttl_s=ttl_s)
         loaded.append(plan.on_instance(dest).hydrate(req_id, flush.pages, after=[warm], **cut))
     if not keep_source:
         plan.on_instance(source).evict(req_id, after=loaded)

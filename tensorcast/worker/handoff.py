@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tensorcast.worker")
 HANDOFF_BATCH_BYTES = 48 * 1024 * 1024  # page bytes per request to the new home
+HANDOFF_TTL_SLACK_S = 1.0  # pages of one batch expire at most this far apart
 
 
 def hand_off(node: WorkerNode, shard: int, token: int, to: str) -> None:
@@ -39,9 +40,9 @@ def hand_off(node: WorkerNode, shard: int, token: int, to: str) -> None:
         log.info("no hand-off of shard %d: %s", shard, e)
         return
     table = shard_table_from_pb(reply)
-    lost = node.leases.update(table, sent) - {shard}
-    if lost:
-        node.pages.drop_shards(lost)
+    lost = node.leases.update(table, sent)
+    lost.pop(shard, None)  # its pages are copied to the new home first (_finish)
+    node.drop_lost_pages(lost)
     threading.Thread(
         target=_finish,
         args=(node, table.lease(shard), token),
@@ -74,9 +75,11 @@ def _finish(node: WorkerNode, lease: ShardLease, old_token: int) -> None:
 def _copy_pages(node: WorkerNode, pages: list, home_id: str, home_addr: str, token: int) -> int:
     """Put the pages (if absent) at the new home over the native data plane, sent straight from
     this pool with the hashes they were stored under (the new home checks the bytes: a page
-    evicted and overwritten meanwhile fails its batch), in batches bounded in bytes and pages,
-    each with the shortest TTL left in it, so no page outlives its original expiry. A failed
-    batch loses only its pages (the engine recomputes them). Returns the pages copied."""
+    evicted and overwritten meanwhile fails its batch), in batches bounded in bytes and pages
+    of pages that expire within HANDOFF_TTL_SLACK_S of each other, each batch with the time
+    its first page has left: no page outlives its original expiry, nor loses more than that.
+    A failed batch loses only its pages (the engine recomputes them). Returns the pages
+    copied."""
     try:
         workers = node.store.call("ListWorkers", pb.Empty()).workers
         data_addr = next(w.data_addr for w in workers if w.worker_id == home_id and w.data_addr)
@@ -112,7 +115,10 @@ def _copy_pages(node: WorkerNode, pages: list, home_id: str, home_addr: str, tok
         if page.expires_at <= time.monotonic() + 0.1:
             continue
         if batch and (
-            size + page.size_bytes > HANDOFF_BATCH_BYTES or len(batch) >= native.MAX_PAGE_BATCH
+            size + page.size_bytes > HANDOFF_BATCH_BYTES
+            or len(batch) >= native.MAX_PAGE_BATCH
+            # a batch's pages all get its first page's time left: only pages close to it
+            or page.expires_at > batch[0].expires_at + HANDOFF_TTL_SLACK_S
         ):
             copied += flush()
             batch, size = [], 0

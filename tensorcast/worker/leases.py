@@ -28,37 +28,55 @@ class LeaseCache:
         self._held: Held = {}
         self._applied_sent_at = float("-inf")
         self._seen: dict[int, tuple[int, float]] = {}  # shard -> newest (token, sent_at) taken
+        # shard -> the last token this worker held it under, kept while its lease lapses with
+        # no other holder (the pages stay: they are the shard's, unless someone else held it)
+        self._own: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def update(self, table: ShardTable, sent_at: float) -> set[int]:
+    def update(self, table: ShardTable, sent_at: float) -> dict[int, int | None]:
         """Take a fresh table (from a reply to a request sent at monotonic `sent_at`).
 
-        Returns the shards this worker no longer holds (their pages must go). Heartbeats,
-        hand-offs and on-demand refreshes run concurrently and their replies may land in any
-        order, and a reply sent later may still describe the store before another's change:
-        each shard's entry is taken only if it is newer than the one taken before, by fencing
-        token first (tokens grow on every new holder), then by when its request was sent (a
-        renewal under the same token). A stale table never brings back a lease that moved.
+        Returns the shards whose pages must go, each with the newest token of the pages to
+        drop (None: all of them). Heartbeats, hand-offs and on-demand refreshes run concurrently
+        and their replies may land in any order, and a reply sent later may still describe the
+        store before another's change: each shard's entry is taken only if it is newer than the
+        one taken before, by fencing token first (tokens grow by one on every grant), then by
+        when its request was sent (a renewal under the same token). A stale table never brings
+        back a lease that moved.
+
+        A lease that lapsed still naming this worker (the store unreachable for longer than
+        the lease TTL) stops being served but keeps its pages: nobody else wrote the shard,
+        and this worker takes it back under the next token. Taken back under a later one,
+        another home held it meanwhile (its table never reached us): the pages are stale.
         """
         with self._lock:
-            before = set(self._held)
             held = dict(self._held)
+            drop: dict[int, int | None] = {}
             for lease in table.leases:
-                seen = self._seen.get(lease.shard)
+                shard = lease.shard
+                seen = self._seen.get(shard)
                 if seen is not None and (lease.token, sent_at) < seen:
                     continue
-                self._seen[lease.shard] = (lease.token, sent_at)
-                if lease.held and lease.holder_worker_id == self.worker_id:
-                    held[lease.shard] = (lease.token, sent_at + lease.expires_in_s)
-                else:
-                    held.pop(lease.shard, None)
+                self._seen[shard] = (lease.token, sent_at)
+                mine = lease.holder_worker_id == self.worker_id
+                if lease.held and mine:
+                    before = self._own.get(shard)
+                    if before is not None and lease.token > before + 1:
+                        drop[shard] = before
+                    self._own[shard] = lease.token
+                    held[shard] = (lease.token, sent_at + lease.expires_in_s)
+                    continue
+                held.pop(shard, None)
+                if not mine and shard in self._own:
+                    del self._own[shard]
+                    drop[shard] = None
             self._held = held
             if sent_at >= self._applied_sent_at:
                 self._applied_sent_at = sent_at
                 self.table = table
             if self._publish is not None:  # under the lock: tables are published in order
                 self._publish(self._held)
-            return before - set(self._held)
+            return drop
 
     def held(self) -> dict[int, int]:
         """shard -> token, for the leases this worker holds and still trusts."""

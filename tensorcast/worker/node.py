@@ -705,10 +705,13 @@ class WorkerNode:
             self._apply_shard_table(table, sent)
 
     def _apply_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
-        lost = self.leases.update(shard_table_from_pb(table), sent_mono)
-        if lost:
-            dropped = self.pages.drop_shards(lost)
-            log.info("lost shards %s: dropped %d pages", sorted(lost), dropped)
+        self.drop_lost_pages(self.leases.update(shard_table_from_pb(table), sent_mono))
+
+    def drop_lost_pages(self, lost: dict[int, int | None]) -> None:
+        """Drop the pages of shards another home holds (or held meanwhile): see LeaseCache."""
+        for shard, max_token in sorted(lost.items()):
+            dropped = self.pages.drop_shards({shard}, max_token)
+            log.info("lost shard %d: dropped %d pages", shard, dropped)
 
     def _take_shard_table(self, table: pb.ShardTable, sent_mono: float) -> None:
         self._apply_shard_table(table, sent_mono)
@@ -722,7 +725,7 @@ class WorkerNode:
             reply = self.store.call(
                 "AcquireShards", pb.AcquireShardsRequest(worker_id=self.worker_id, shards=wanted)
             )
-            self.leases.update(shard_table_from_pb(reply), sent_mono)
+            self.drop_lost_pages(self.leases.update(shard_table_from_pb(reply), sent_mono))
             got = sorted(set(wanted) & set(self.leases.held()))
             if got:
                 log.info("now home of shards %s", got)

@@ -338,7 +338,9 @@ def _check_reruns(rt: tc.Runtime, records: list[dict], where: str) -> None:
         else:
 
             def rerun(r=r) -> dict:
-                return migrate(rt, r["req"], "chaos-a", "chaos-b", idempotency_key=r["key"])
+                return migrate(  # as the actor asked (a key names one plan)
+                    rt, r["req"], "chaos-a", "chaos-b", idempotency_key=r["key"], ttl_s=60
+                )
 
         try:
             first = rerun()
