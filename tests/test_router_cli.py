@@ -382,6 +382,29 @@ def test_router_rejects_malformed_requests(cluster, sims, router):
     assert proc.returncode == 7
 
 
+def test_an_error_reply_before_the_body_is_read_lets_the_client_finish_sending(
+    cluster, sims, router
+):
+    """The router answers a chunked request (refused) before reading its body: the client may
+    still be sending it. The router reads and drops the rest before closing, so the client's
+    last chunk is not answered with a reset and the connection ends with a clean close."""
+    import socket
+
+    _, addr = router(policy="round-robin", instances=("sim-b",))
+    host, port = addr.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 400") and b"Connection: close" in reply
+        sock.sendall(b'12\r\n{"input_ids": [1]}\r\n0\r\n\r\n')  # the rest, after the reply
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(65536) == b""  # a clean close (a reset raises ConnectionResetError)
+
+
 def test_a_session_with_nothing_to_move_waits_for_its_next_turn(cluster, sims, router):
     """The engine evicted a session's KV: its migration fails (NotFound), and it is no
     candidate again until a turn makes KV to move, so it cannot fail every tick; that turn

@@ -29,6 +29,7 @@ import http.client
 import json
 import logging
 import random
+import socket
 import threading
 import time
 import uuid
@@ -52,6 +53,11 @@ MAX_BODY_BYTES = 64 << 20
 MIGRATIONS_KEPT = 100
 MAX_SESSIONS = 100_000  # past it, the longest idle sessions are forgotten first
 CLIENT_TIMEOUT_S = 120.0  # a client silent this long mid-request loses its connection
+# A reply sent before the request's body was read (an error): what the client still sends is
+# read and dropped for at most this long and this much before the connection closes, so the
+# close does not reset it before the client has sent it all and read the reply.
+LINGER_S = 2.0
+LINGER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -502,6 +508,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = CLIENT_TIMEOUT_S  # reads and writes on the client's socket
     _streaming = False  # this request's 200 and chunked headers are sent
+    _body_read = False  # this request's body (if any) was read whole
 
     def log_message(self, format: str, *args: Any) -> None:
         """The library never prints."""
@@ -514,6 +521,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, method: str) -> None:
         self._streaming = False
+        self._body_read = False
         try:
             reply = self._route(method)
             if reply is None:
@@ -530,6 +538,32 @@ class _Handler(BaseHTTPRequestHandler):
         if self._streaming:  # a stream cut short: closed without its last chunk, so the
             return  # client sees it incomplete rather than a second response inside it
         self._send(status, json.dumps(reply).encode())
+        if self._sent_a_body() and not self._body_read:
+            self._linger()
+
+    def _sent_a_body(self) -> bool:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return True
+        try:
+            return int(self.headers.get("Content-Length", "0")) > 0
+        except ValueError:
+            return True
+
+    def _linger(self) -> None:
+        """Read and drop what the client still sends (see LINGER_S), after our half-close."""
+        sock = self.connection
+        deadline = time.monotonic() + LINGER_S
+        left = LINGER_BYTES
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            while left > 0 and (remaining := deadline - time.monotonic()) > 0:
+                sock.settimeout(remaining)
+                chunk = sock.recv(min(left, 64 << 10))
+                if not chunk:
+                    return
+                left -= len(chunk)
+        except OSError:  # the client is gone, or the time is up
+            pass
 
     def _send(
         self,
@@ -575,6 +609,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise errors.ResourceExhausted(f"request body over {MAX_BODY_BYTES} bytes")
         raw = self.rfile.read(max(length, 0))
+        self._body_read = True
         try:
             body = json.loads(raw)
         except ValueError as exc:
