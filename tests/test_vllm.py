@@ -380,21 +380,16 @@ def test_pipeline_and_decode_context_parallelism_are_refused(option):
         TensorCastConnector(config, KVConnectorRole.WORKER, None)  # type: ignore[arg-type]
 
 
-def test_a_preemption_waits_only_for_the_preempted_requests_saves():
-    """Saves run on one background thread. A step that preempts a request frees its blocks, so
-    its saves must not read them later: those not started are cancelled, and the step does not
-    wait for other requests' saves (a slow cluster would stall the engine on each one)."""
+def _save_bookkeeping(step_failed: bool):
+    """A connector with only the worker side's save bookkeeping (no engine, no cluster)."""
     import threading
     from collections import defaultdict
 
     from tensorcast.integrations.vllm.connector import (
-        BlockJob,
         TensorCastConnector,
-        TensorCastConnectorMetadata,
         TensorCastConnectorStats,
     )
 
-    # The worker side's bookkeeping only (no engine): saves are stand-ins that block until told.
     conn = object.__new__(TensorCastConnector)
     conn.__dict__.update(
         _lock=threading.Lock(),
@@ -404,9 +399,22 @@ def test_a_preemption_waits_only_for_the_preempted_requests_saves():
         _in_flight=defaultdict(int),
         _saved_any=set(),
         _finished=set(),
-        _step_failed=False,
+        _step_failed=step_failed,
         _saver=None,
     )
+    return conn
+
+
+def test_a_preemption_waits_only_for_the_preempted_requests_saves():
+    """Saves run on one background thread. A step that preempts a request frees its blocks, so
+    its saves must not read them later: those not started are cancelled, and the step does not
+    wait for other requests' saves (a slow cluster would stall the engine on each one)."""
+    import threading
+
+    from tensorcast.integrations.vllm.connector import BlockJob, TensorCastConnectorMetadata
+
+    # Saves are stand-ins that block until told.
+    conn = _save_bookkeeping(step_failed=False)
     release = threading.Event()
     started = []
 
@@ -445,28 +453,9 @@ def test_a_step_whose_load_failed_saves_nothing_and_still_releases_its_requests(
     """A load failure in a step drops every save of that step, not only its own request's:
     another request may read the block vLLM shared from it in the same forward. The dropped
     requests still finish (the scheduler holds their blocks until get_finished says so)."""
-    import threading
-    from collections import defaultdict
+    from tensorcast.integrations.vllm.connector import BlockJob, TensorCastConnectorMetadata
 
-    from tensorcast.integrations.vllm.connector import (
-        BlockJob,
-        TensorCastConnector,
-        TensorCastConnectorMetadata,
-        TensorCastConnectorStats,
-    )
-
-    conn = object.__new__(TensorCastConnector)
-    conn.__dict__.update(
-        _lock=threading.Lock(),
-        _stats_lock=threading.Lock(),
-        _stats=TensorCastConnectorStats(),
-        _futures={},
-        _in_flight=defaultdict(int),
-        _saved_any=set(),
-        _finished=set(),
-        _step_failed=True,  # as start_load_kv leaves it when a page failed
-        _saver=None,
-    )
+    conn = _save_bookkeeping(step_failed=True)  # as start_load_kv leaves it when a page failed
     saved = []
 
     def save(job: BlockJob) -> None:
