@@ -312,6 +312,37 @@ def test_remote_batches_larger_than_one_request_are_split(cluster):
         assert all(torch.equal(g.tensor(), data[k]) for g, k in zip(got, data))
 
 
+def test_a_stopped_home_hands_its_shards_and_pages_to_the_other_home(two_homes):
+    """`tc worker stop` on a shard home: before it deregisters it moves each shard with pages
+    to the other home (a higher token) and copies the pages along: none lost, none changed."""
+    with two_homes.connect() as rt:
+        pages = rt.pages()
+        wait_until(lambda: shards_settled(rt, 2), 30, interval_s=0.2)
+        data = _pages(96, numel=512, tag=9.0)
+        pages.put_pages(data, ttl_s=600)
+        table = pages.table(refresh=True)
+        leaving = next(w for w in rt.workers() if w.name == "worker-2")
+        staying = next(w for w in rt.workers() if w.name != "worker-2")
+        moved = {
+            s
+            for s in range(table.num_shards)
+            if table.lease(s).holder_worker_id == leaving.worker_id
+        }
+        keys = [k for k in data if shard_of(k, table.num_shards) in moved]
+        assert keys, "hashing gives the second home some of the pages"
+        two_homes.tc("worker", "stop", "worker-2", check=True)
+        after = pages.table(refresh=True)
+        with_pages = {shard_of(k, table.num_shards) for k in keys}
+        assert all(
+            after.lease(s).held
+            and after.lease(s).holder_worker_id == staying.worker_id
+            and after.lease(s).token > table.lease(s).token
+            for s in with_pages
+        ), [(after.lease(s), table.lease(s).token) for s in with_pages]
+        got = pages.get_pages(list(data))
+        assert all(g is not None and torch.equal(g.tensor(), data[k]) for g, k in zip(got, data))
+
+
 def test_a_joining_home_takes_its_shards_and_their_pages(fresh_cluster, tmp_path):
     """worker-1 homes every shard; a second shard-home joins: each shard hashing ranks it first
     for moves there with a higher token, its pages copied along, none lost or changed."""

@@ -243,20 +243,20 @@ def test_workers_and_callers_fail_over_across_store_addresses(cluster):
 
 def test_kv_pages_survive_a_store_outage_longer_than_their_shard_leases(cluster_dir):
     """The store down for longer than the shard leases' TTL: every lease lapses still naming
-    its home, and the home takes its shards back under the next token once the store is up
-    again; its pages are still there (they were all dropped). One home: with several, the
-    first to beat after the outage bids for every free shard (the others' pages then go as
-    the shards move; see architecture.md decision 118)."""
+    its home, and each home takes its own shards back under the next token once the store is
+    up again (the first home to beat must not take the other's: architecture.md decision
+    121); every page is still there."""
     from tensorcast.config import DEFAULT_HEARTBEAT_TTL_S
 
     c = cluster_dir
-    first = _tc(c, "up", "--workers", "1", "--mem", "64MiB")
+    first = _tc(c, "up", "--workers", "2", "--mem", "64MiB")
     blob = bytes(range(256)) * 64
     keys = [f"kv/outage/{i}" for i in range(40)]
     with c.connect() as rt:
-        wait_until(lambda: shards_settled(rt, 1), 60)
+        wait_until(lambda: shards_settled(rt, 2), 60)
         rt.pages().put_pages(dict.fromkeys(keys, blob), ttl_s=600)
-        tokens = {lease.shard: lease.token for lease in rt.shards().leases}
+        before = {lease.shard: lease for lease in rt.shards().leases}
+        assert len({lease.holder_worker_id for lease in before.values()}) == 2
     os.kill(_pids(first)["store"], signal.SIGKILL)
     killed_at = time.monotonic()
     wait_until(lambda: not _alive(_pids(first)["store"]), 30)
@@ -266,8 +266,12 @@ def test_kv_pages_survive_a_store_outage_longer_than_their_shard_leases(cluster_
     with c.connect() as rt:
 
         def taken_back() -> bool:
-            leases = rt.shards().leases
-            return all(lease.held and lease.token == tokens[lease.shard] + 1 for lease in leases)
+            return all(
+                lease.held
+                and lease.holder_worker_id == before[lease.shard].holder_worker_id
+                and lease.token == before[lease.shard].token + 1
+                for lease in rt.shards().leases
+            )
 
         wait_until(taken_back, 60)
         pages = rt.pages()

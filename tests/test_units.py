@@ -444,6 +444,67 @@ def test_a_lapsed_lease_keeps_its_pages_unless_another_home_held_the_shard_meanw
     assert cache.update(table(9, "other", -1.0), t0 + 6.0) == {}  # nothing of ours left
 
 
+def test_a_shard_being_handed_off_is_not_served_and_keeps_its_pages_for_the_copy():
+    """A hand-off stops serving the shard before the store moves the lease (never two homes
+    taking writes): no table from before the move serves it again, a table naming the new
+    home drops nothing (the copy needs the pages), and a refused hand-off serves it again."""
+    from tensorcast.errors import FencingError
+    from tensorcast.types import ShardLease, ShardTable
+    from tensorcast.worker.leases import LeaseCache
+
+    def table(token: int, holder: str) -> ShardTable:
+        return ShardTable(1, 10.0, (ShardLease(0, holder, token, 10.0),))
+
+    t0 = time.monotonic()
+    published: list[dict] = []
+    cache = LeaseCache("me", publish=lambda held: published.append(dict(held)))
+    cache.update(table(5, "me"), t0 + 1.0)
+    assert cache.begin_hand_off(0, 5)
+    assert not cache.begin_hand_off(0, 5)  # one hand-off at a time
+    assert published[-1] == {}  # the native page index stops serving it too
+    with pytest.raises(FencingError):
+        cache.check(0, 5)
+    assert cache.update(table(5, "me"), t0 + 2.0) == {}  # a refresh from before the move
+    assert cache.held() == {}
+    assert cache.update(table(6, "other"), t0 + 3.0) == {}  # moved: the pages stay for now
+    cache.end_hand_off(0, moved=True)
+    assert cache.held() == {} and cache.update(table(6, "other"), t0 + 4.0) == {}
+
+    refused = LeaseCache("me")
+    refused.update(table(5, "me"), t0 + 1.0)
+    assert refused.begin_hand_off(0, 5) and refused.held() == {}
+    refused.end_hand_off(0, moved=False)
+    assert refused.held() == {0: 5}
+    refused.check(0, 5)
+    assert not refused.begin_hand_off(0, 4)  # not held under that token
+
+
+def test_after_a_store_outage_a_home_bids_for_its_own_shards_not_for_the_others():
+    """Every lease lapsed during an outage: a home bids at once for the shards it held (their
+    pages are there), never for a shard another live home held (that home takes it back),
+    and for a gone home's shard only once it has reached the store for a lease TTL (the
+    other homes come back within it)."""
+    from tensorcast.sharding import hrw_rank
+    from tensorcast.types import ShardLease, ShardTable
+    from tensorcast.worker.leases import LeaseCache
+
+    homes = ("me", "peer", "gone")
+    lapsed = {0: "me", 1: "peer", 2: "gone", 3: ""}  # shard -> who held it before the outage
+    both = tuple(h for h in homes if h != "gone")
+    table = ShardTable(
+        4, 5.0, tuple(ShardLease(s, h, 3, -20.0) for s, h in lapsed.items()), ("me", "peer")
+    )
+    cache = LeaseCache("me")
+    cache.update(table, time.monotonic())
+    assert set(cache.to_acquire(1.0, store_reached_for_s=0.5)) == {0} | {
+        s for s in (3,) if hrw_rank(s, both).index("me") < 3
+    }
+    assert set(cache.to_acquire(1.0, store_reached_for_s=6.0)) == {0, 2, 3}
+    alone = ShardTable(4, 5.0, table.leases, ("me",))  # the first to beat after the outage
+    cache.update(alone, time.monotonic())
+    assert set(cache.to_acquire(1.0, store_reached_for_s=0.5)) == {0, 3}
+
+
 def test_two_threads_spilling_one_content_both_finish_and_the_file_is_whole(tmp_path):
     """A spill and a persist of the same content at once each write a file of their own and
     rename it into place: neither fails on the other's temporary, and the result is whole."""

@@ -31,6 +31,9 @@ class LeaseCache:
         # shard -> the last token this worker held it under, kept while its lease lapses with
         # no other holder (the pages stay: they are the shard's, unless someone else held it)
         self._own: dict[int, int] = {}
+        # shard -> the lease this worker is handing off: not served from the moment the
+        # hand-off starts (never two homes taking writes), its pages kept for the copy
+        self._handing: Held = {}
         self._lock = threading.Lock()
 
     def update(self, table: ShardTable, sent_at: float) -> dict[int, int | None]:
@@ -59,6 +62,9 @@ class LeaseCache:
                     continue
                 self._seen[shard] = (lease.token, sent_at)
                 mine = lease.holder_worker_id == self.worker_id
+                handing = self._handing.get(shard)
+                if lease.held and mine and handing is not None and lease.token <= handing[0]:
+                    continue  # a table from before the hand-off: it stays unserved
                 if lease.held and mine:
                     before = self._own.get(shard)
                     if before is not None and lease.token > before + 1:
@@ -69,7 +75,8 @@ class LeaseCache:
                 held.pop(shard, None)
                 if not mine and shard in self._own:
                     del self._own[shard]
-                    drop[shard] = None
+                    if handing is None:  # a hand-off drops its pages once they are copied
+                        drop[shard] = None
             self._held = held
             if sent_at >= self._applied_sent_at:
                 self._applied_sent_at = sent_at
@@ -77,6 +84,31 @@ class LeaseCache:
             if self._publish is not None:  # under the lock: tables are published in order
                 self._publish(self._held)
             return drop
+
+    def begin_hand_off(self, shard: int, token: int) -> bool:
+        """Stop serving `shard` (held under `token`) before asking the store to move it, so
+        the new home never takes writes while this one still does. False if not held so."""
+        with self._lock:
+            entry = self._held.get(shard)
+            if entry is None or entry[0] != token or shard in self._handing:
+                return False
+            self._handing[shard] = entry
+            del self._held[shard]
+            if self._publish is not None:
+                self._publish(self._held)
+            return True
+
+    def end_hand_off(self, shard: int, moved: bool) -> None:
+        """The hand-off of `shard` is over: its pages were copied (`moved`), or the store
+        refused to move the lease, which this worker then serves again (unless a newer token
+        was seen meanwhile)."""
+        with self._lock:
+            entry = self._handing.pop(shard)
+            if moved or self._seen[shard][0] != entry[0]:
+                return
+            self._held[shard] = entry
+            if self._publish is not None:
+                self._publish(self._held)
 
     def held(self) -> dict[int, int]:
         """shard -> token, for the leases this worker holds and still trusts."""
@@ -121,16 +153,27 @@ class LeaseCache:
                 moves.append((shard, token, first))
         return moves
 
-    def to_acquire(self, interval_s: float) -> list[int]:
-        """Free shards this worker should bid for: it ranks in the top k of live homes, and the
-        better-ranked candidates had `rank` heartbeat intervals to take the shard first."""
+    def to_acquire(self, interval_s: float, store_reached_for_s: float) -> list[int]:
+        """Free shards this worker should bid for. Its own lapsed leases at once (their pages
+        are here). Another home's lapsed lease: never while that home is live (it takes its
+        shard back itself), and not before this worker has reached the store for a lease TTL
+        (after a store outage every home beats again within it: the first one back must not
+        take the others' shards). Then, as for a shard nobody held: if it ranks in the top k
+        of live homes and the better-ranked candidates had `rank` heartbeat intervals to take
+        the shard first."""
         with self._lock:
             table = self.table
         if table is None or self.worker_id not in table.live_homes:
             return []
         wanted = []
         for lease in table.leases:
+            holder = lease.holder_worker_id
             if lease.held:
+                continue
+            if holder == self.worker_id:
+                wanted.append(lease.shard)
+                continue
+            if holder and (holder in table.live_homes or store_reached_for_s < table.lease_ttl_s):
                 continue
             rank = hrw_rank(lease.shard, table.live_homes).index(self.worker_id)
             free_for_s = -lease.expires_in_s

@@ -32,11 +32,12 @@ from tensorcast.rpc.convert import (
     tensors_from_pb,
 )
 from tensorcast.rpc.frames import StoreClient
+from tensorcast.sharding import hrw_rank
 from tensorcast.store.base import Inventory, ReplicaKey, member
 from tensorcast.types import ArtifactInfo, Committed, TensorMeta
 from tensorcast.worker.disk_tier import DiskTier
 from tensorcast.worker.file_refs import FileReference, FileReferences, describe
-from tensorcast.worker.handoff import hand_off
+from tensorcast.worker.handoff import HANDOFF_COPY_S, copy_and_drop, hand_off
 from tensorcast.worker.instances import Instances
 from tensorcast.worker.inventory import InventoryReporter, beat_result, inventory_fields
 from tensorcast.worker.leases import LeaseCache
@@ -98,6 +99,7 @@ class WorkerNode:
         self.batcher = StoreBatcher(self.store, rpc_timeout_s)
         self._stop = threading.Event()
         self.last_heartbeat_ok = time.monotonic()
+        self.store_reached_at = self.last_heartbeat_ok  # since when beats land without a gap
         self._peers: dict[tuple[str, str], Stub] = {}
         self._peers_lock = threading.Lock()
         self._beat_lock = threading.Lock()
@@ -645,7 +647,10 @@ class WorkerNode:
             ).held
         )
         reply = self._beat(held, stats.used_bytes, sent_mono)
-        self.last_heartbeat_ok = time.monotonic()
+        now = time.monotonic()
+        if now - self.last_heartbeat_ok > 2 * self.heartbeat_interval_s:
+            self.store_reached_at = now  # back after missed beats: so may the other homes be
+        self.last_heartbeat_ok = now
         self._take_shard_table(reply.shards, sent_mono)
         for content_id in reply.drop_content_ids:
             if self.pool.drop(content_id, unless_committed_after=sent_at):
@@ -718,8 +723,17 @@ class WorkerNode:
         if "shard-home" not in self.roles:
             return
         for shard, token, to in self.leases.to_hand_off()[:HANDOFFS_PER_BEAT]:
-            hand_off(self, shard, token, to)
-        wanted = self.leases.to_acquire(self.heartbeat_interval_s)
+            lease = hand_off(self, shard, token, to)
+            if lease is not None:
+                threading.Thread(
+                    target=copy_and_drop,
+                    args=(self, lease, token, time.monotonic() + HANDOFF_COPY_S),
+                    name=f"hand-off-{shard}",
+                    daemon=True,
+                ).start()
+        wanted = self.leases.to_acquire(
+            self.heartbeat_interval_s, time.monotonic() - self.store_reached_at
+        )
         if wanted:
             sent_mono = time.monotonic()
             reply = self.store.call(
@@ -759,6 +773,40 @@ class WorkerNode:
         )
         thread.start()
         return thread
+
+    def hand_over_shards(self, budget_s: float) -> int:
+        """A planned stop: give each held shard with pages here to the live home hashing ranks
+        first among the others, copying the pages along within `budget_s` (what is not copied
+        by then is lost, as with a crash; shards without pages are freed by deregistration).
+        This worker is no shard home from then on. Returns the shards handed over."""
+        deadline = time.monotonic() + budget_s
+        with self._beat_lock:
+            table = self.leases.table
+            others = [h for h in table.live_homes if h != self.worker_id] if table else []
+            moves = [
+                (shard, token, hrw_rank(shard, others)[0])
+                for shard, token in sorted(self.leases.held().items())
+                if others and self.pages.home_pages(shard, max_token=token)
+            ]
+            if not moves:
+                return 0
+            # Resign the role first, or the homes would hand the shards back while it is live.
+            self.roles = tuple(r for r in self.roles if r != "shard-home")
+            try:
+                self.register()
+            except TensorcastError as e:
+                log.warning("no hand-over of shards: %s", e)
+                return 0
+            leases = []
+            for shard, token, to in moves:
+                if time.monotonic() >= deadline:
+                    break
+                lease = hand_off(self, shard, token, to)
+                if lease is not None:
+                    leases.append((lease, token))
+        for lease, token in leases:
+            copy_and_drop(self, lease, token, deadline)
+        return len(leases)
 
     def stop(self) -> None:
         self._stop.set()

@@ -47,6 +47,10 @@ def advertised(addr: str) -> str:
     return f"{host}:{port}"
 
 
+# A stopping shard home copies its pages to the next homes for at most this long (`tc worker
+# stop` waits 10 s by default before SIGKILL, and a disk tier is written after it).
+HAND_OVER_BUDGET_S = 5.0
+
 METRIC_HELP = {
     "tc_pool_bytes": "pool memory by tier and kind (capacity, used)",
     "tc_replicas": "replicas held, by tier",
@@ -233,6 +237,8 @@ def serve(
         on_ready(node)
     stop.wait()
     log.info("worker %s stopping", node.name)
+    if "shard-home" in roles:
+        log.info("handed %d shards over", node.hand_over_shards(HAND_OVER_BUDGET_S))
     if disk is not None:
         log.info("wrote %d contents to the disk tier %s", node.persist(), disk_dir)
     page_server.stop()
