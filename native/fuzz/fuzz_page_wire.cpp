@@ -29,7 +29,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 uint64_t total = 0;
                 w::Writer again;
                 again.number(put.ttl_s);
-                again.number(uint8_t(put.if_absent));
+                again.number(uint8_t((put.if_absent ? w::kPutIfAbsent : 0) |
+                                     (put.expires_in_s > 0 ? w::kPutExpiresIn : 0)));
+                if (put.expires_in_s > 0) again.number(put.expires_in_s);
                 again.number(uint32_t(put.pages.size()));
                 for (const auto& p : put.pages) {
                     if (p.size_bytes > tc::kMaxPageBytes) std::abort();

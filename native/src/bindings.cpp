@@ -120,9 +120,9 @@ private:
 };
 
 // A page as Python sees it: (key, shard, token, dtype, shape, offset, size_bytes, hash,
-// expires_at, home).
+// expires_at, ttl_s, home).
 using PyPage = std::tuple<std::string, uint32_t, uint64_t, std::string, std::vector<int64_t>,
-                          uint64_t, uint64_t, std::string, double, bool>;
+                          uint64_t, uint64_t, std::string, double, double, bool>;
 using PyPageWrite = std::tuple<std::string, uint32_t, uint64_t, std::string, std::vector<int64_t>,
                                uint64_t, uint64_t, std::string>;
 
@@ -157,7 +157,7 @@ nb::object found_to_py(const std::optional<Found>& page) {
 
 PyPage to_py(const tc::Page& p) {
     return {p.key, p.shard, p.token, p.dtype, p.shape, p.offset, p.size_bytes, p.hash,
-            p.expires_at, p.home};
+            p.expires_at, p.ttl_s, p.home};
 }
 
 // Python face of tc::PageIndex over the pool's memory. Holds the buffer export of `base` until
@@ -687,7 +687,7 @@ NB_MODULE(_native, m) {
         [](nb::sequence pages, nb::sequence sources, std::vector<std::string> hashes,
            const std::vector<PyHome>& homes, double ttl_s, bool if_absent,
            const std::string& token, const std::vector<std::string>& tls, uint32_t timeout_ms,
-           uint32_t streams) {
+           uint32_t streams, double expires_in_s) {
             using Meta =
                 std::tuple<std::string, uint32_t, uint64_t, std::string, std::vector<int64_t>>;
             const size_t count = nb::len(pages);
@@ -709,13 +709,13 @@ NB_MODULE(_native, m) {
             tc::RemotePutResult result;
             {
                 nb::gil_scoped_release release;
-                result = tc::remote_put(puts, targets, ttl_s, if_absent, options);
+                result = tc::remote_put(puts, targets, ttl_s, if_absent, options, expires_in_s);
             }
             return nb::make_tuple(result.hashes, home_errors(result.errors));
         },
         nb::arg("pages"), nb::arg("sources"), nb::arg("hashes"), nb::arg("homes"),
         nb::arg("ttl_s"), nb::arg("if_absent"), nb::arg("token"), nb::arg("tls"),
-        nb::arg("timeout_ms"), nb::arg("streams") = 0,
+        nb::arg("timeout_ms"), nb::arg("streams") = 0, nb::arg("expires_in_s") = 0.0,
         "Store pages (key, shard, token, dtype, shape) whose bytes are `sources` at remote homes "
         "[(host, port, [page indexes])], every home in parallel. `hashes` (or []: computed "
         "here) are checked by the homes. Returns (hashes, per home: None or (kind, message)).");

@@ -139,6 +139,9 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s,
             throw StatusError("InvalidArgument", "page ttl_s must be in (0, " +
                                                      std::to_string(int64_t(kMaxPageTtlS)) +
                                                      "], not " + std::to_string(ttl_s));
+        if (!(options.expires_in_s >= 0 && options.expires_in_s <= ttl_s))
+            throw StatusError("InvalidArgument", "page expires_in_s must be in [0, ttl_s], not " +
+                                                     std::to_string(options.expires_in_s));
         for (const auto& w : writes) check_write(w);
         std::vector<std::pair<const uint8_t*, size_t>> regions;
         if (options.check_hashes)
@@ -176,7 +179,7 @@ void PageIndex::commit(const std::vector<PageWrite>& writes, double ttl_s,
             Page page;
             static_cast<PageWrite&>(page) = w;
             if (!home) page.token = 0;
-            page.expires_at = now + ttl_s;
+            page.expires_at = now + (options.expires_in_s > 0 ? options.expires_in_s : ttl_s);
             page.ttl_s = ttl_s;
             page.home = home;
             lru_.push_back(w.key);

@@ -354,6 +354,7 @@ void RemotePageService::put(Connection& c, const std::vector<uint8_t>& body) {
     CommitOptions options;
     options.home = true;
     options.if_absent = request.if_absent;
+    options.expires_in_s = request.expires_in_s;  // checked by the commit
     options.check_hashes = false;  // hashed above as the bytes landed
     held.offsets.clear();  // the commit owns the regions now
     index_->commit(writes, request.ttl_s, options);  // frees the regions itself on error
@@ -735,7 +736,7 @@ RemoteExistsResult remote_exists(const std::vector<PageKey>& keys,
 
 RemotePutResult remote_put(const std::vector<RemotePagePut>& pages,
                            const std::vector<RemoteHome>& homes, double ttl_s, bool if_absent,
-                           const RemoteOptions& options) {
+                           const RemoteOptions& options, double expires_in_s) {
     const auto deadline = deadline_of(options);
     check_indexes(homes, pages.size());
     for (const auto& p : pages) {
@@ -782,7 +783,9 @@ RemotePutResult remote_put(const std::vector<RemotePagePut>& pages,
                     bytes += pages[part.pages[end++]].size_bytes;
                 Writer body;
                 body.number(ttl_s);
-                body.number(uint8_t(if_absent ? 1 : 0));
+                body.number(uint8_t((if_absent ? page_wire::kPutIfAbsent : 0) |
+                                    (expires_in_s > 0 ? page_wire::kPutExpiresIn : 0)));
+                if (expires_in_s > 0) body.number(expires_in_s);
                 body.number(uint32_t(end - start));
                 std::vector<iovec> payload;
                 for (size_t j = start; j < end; ++j) {

@@ -202,9 +202,13 @@ inline std::optional<PageWrite> read_found(Reader& in) {
 // A remote PUT's body (page_remote.h), parsed and checked: at most kMaxPageBatch pages of at most
 // kMaxPageBytes each, known flags, and at most `max_total_bytes` of page bytes to follow. Pure:
 // throws StatusError("InvalidArgument") on anything else (the fuzz target calls it directly).
+constexpr uint8_t kPutIfAbsent = 1;
+constexpr uint8_t kPutExpiresIn = 2;  // an f64 first lease follows the flags
+
 struct PutRequest {
     double ttl_s = 0;
     bool if_absent = false;
+    double expires_in_s = 0;  // 0: ttl_s
     std::vector<PageWrite> pages;  // offsets 0
     uint64_t total_bytes = 0;
 };
@@ -214,8 +218,13 @@ inline PutRequest parse_put(const uint8_t* body, size_t size, uint64_t max_total
     PutRequest out;
     out.ttl_s = in.number<double>();
     const uint8_t flags = in.number<uint8_t>();
-    if (flags > 1) throw malformed("unknown put flags " + std::to_string(flags));
-    out.if_absent = flags & 1;
+    if (flags > (kPutIfAbsent | kPutExpiresIn))
+        throw malformed("unknown put flags " + std::to_string(flags));
+    out.if_absent = flags & kPutIfAbsent;
+    if (flags & kPutExpiresIn) {
+        out.expires_in_s = in.number<double>();
+        if (!(out.expires_in_s > 0)) throw malformed("a first lease that is not > 0");
+    }
     out.pages.resize(in.count(kMaxPageBatch, kMinPutBytes));
     for (auto& w : out.pages) {
         w = read_put(in);

@@ -142,6 +142,26 @@ void test_put_get_exists_across_two_homes_and_streams() {
     CHECK(!exists.found.back());
 }
 
+// A page copied to a new home keeps what its lease had left, and a read there renews it for
+// its own TTL (not for what it had left when copied). A first lease longer than the TTL is
+// refused, and nothing stored.
+void test_a_copied_page_keeps_its_expiry_and_renews_for_its_own_ttl() {
+    Home a;
+    auto blob = random_bytes(5000, 4);
+    const double before = tc::monotonic_s();
+    CHECK(!tc::remote_put({page("copied", blob)}, {a.home({0})}, 600, false, options(), 5.0)
+               .errors[0]);
+    auto found = a.index->lookup({{"copied", 0, 1}}, false);
+    CHECK(found[0] && found[0]->ttl_s == 600);
+    CHECK(found[0] && found[0]->expires_at >= before + 5 && found[0]->expires_at < before + 100);
+    found = a.index->lookup({{"copied", 0, 1}}, true);  // a read
+    CHECK(found[0] && found[0]->expires_at >= before + 600);
+    const auto refused =
+        tc::remote_put({page("longer", blob)}, {a.home({0})}, 60, false, options(), 61.0);
+    CHECK(refused.errors[0] && refused.errors[0]->kind == "InvalidArgument");
+    CHECK(!a.index->lookup({{"longer", 0, 1}}, false)[0]);
+}
+
 void test_a_dead_home_fails_only_its_pages() {
     Home a;
     auto blob = random_bytes(5000, 3);
@@ -718,6 +738,7 @@ int main() {
     test_parsers_refuse_mutated_bodies_cleanly();
     test_stream_tree_hash_matches_the_one_shot_hash();
     test_put_get_exists_across_two_homes_and_streams();
+    test_a_copied_page_keeps_its_expiry_and_renews_for_its_own_ttl();
     test_a_dead_home_fails_only_its_pages();
     test_refusals_keep_the_connection_and_store_nothing();
     test_a_page_damaged_on_its_way_reads_as_absent();

@@ -242,11 +242,14 @@ def remote_put(
     tls: TLSFiles | None = None,
     timeout_s: float = 30.0,
     streams: int = 0,
+    expires_in_s: float = 0.0,
 ) -> tuple[list[str], list[TensorcastError | None]]:
     """Store pages (key, shard, token, dtype, shape) whose bytes are `sources` at their remote
     homes, sent straight from the caller's buffers. `hashes` (else computed here) are checked by
     the homes against the bytes they receive: a mismatch stores nothing of that request.
-    Returns every page's hash and, per home, the error that failed its share."""
+    `expires_in_s` (> 0, at most `ttl_s`): the pages' first lease, reads renew them for `ttl_s`
+    (a page copied to a new home keeps its expiry). Returns every page's hash and, per home,
+    the error that failed its share."""
     got, errs = _native.remote_put(
         [(k, s, t, d, list(sh)) for k, s, t, d, sh in pages],
         list(sources),
@@ -258,5 +261,6 @@ def remote_put(
         _tls_paths(tls),
         max(1, int(timeout_s * 1000)),
         streams,
+        expires_in_s,
     )
     return list(got), _home_errors(errs)

@@ -79,8 +79,9 @@ def _copy_pages(node: WorkerNode, pages: list, lease: ShardLease, deadline: floa
     """Put the pages (if absent) at the new home over the native data plane, sent straight from
     this pool with the hashes they were stored under (the new home checks the bytes: a page
     evicted and overwritten meanwhile fails its batch), in batches bounded in bytes and pages
-    of pages that expire within HANDOFF_TTL_SLACK_S of each other, each batch with the time
-    its first page has left: no page outlives its original expiry, nor loses more than that.
+    of pages put with the same TTL that expire within HANDOFF_TTL_SLACK_S of each other, each
+    batch leased for the time its first page has left (no page outlives its original expiry,
+    nor loses more than that) and renewed by reads for that TTL.
     A failed batch, or one past `deadline`, loses only its pages (the engine recomputes
     them). Returns the pages copied."""
     if not pages:
@@ -96,20 +97,21 @@ def _copy_pages(node: WorkerNode, pages: list, lease: ShardLease, deadline: floa
     copied, size = 0, 0
 
     def flush() -> int:
-        ttl = min((p.expires_at for p in batch), default=0.0) - time.monotonic()
+        left = min((p.expires_at for p in batch), default=0.0) - time.monotonic()
         timeout_s = min(deadline - time.monotonic(), HANDOFF_COPY_S)
-        if not batch or ttl <= 0 or timeout_s <= 0:
+        if not batch or left <= 0 or timeout_s <= 0:
             return 0
         _, failures = native.remote_put(
             [(p.key, p.shard, lease.token, p.dtype, p.shape) for p in batch],
             [node.pages.pool.region(p.offset, p.size_bytes) for p in batch],
             [native.remote_home(data_addr, list(range(len(batch))))],
             send_token(node.token),
-            ttl_s=ttl,
+            ttl_s=batch[0].ttl_s,
             hashes=[p.hash_hex for p in batch],
             if_absent=True,
             tls=node.tls,
             timeout_s=timeout_s,
+            expires_in_s=min(left, batch[0].ttl_s),
         )
         if failures[0] is not None:
             log.warning(
@@ -124,8 +126,10 @@ def _copy_pages(node: WorkerNode, pages: list, lease: ShardLease, deadline: floa
         if batch and (
             size + page.size_bytes > HANDOFF_BATCH_BYTES
             or len(batch) >= native.MAX_PAGE_BATCH
-            # a batch's pages all get its first page's time left: only pages close to it
+            # a batch's pages all get its first page's time left: only pages close to it,
+            # and renew for one TTL: only pages put with it
             or page.expires_at > batch[0].expires_at + HANDOFF_TTL_SLACK_S
+            or page.ttl_s != batch[0].ttl_s
         ):
             copied += flush()
             batch, size = [], 0

@@ -32,6 +32,7 @@ class Page:
     size_bytes: int
     hash_hex: str
     expires_at: float  # monotonic
+    ttl_s: float  # the lease it was put with: a read renews it for as long again
     home: bool
 
     def to_json(self) -> dict:
@@ -183,5 +184,7 @@ class PageStore:
 
 
 def _page(t: tuple) -> Page:
-    key, shard, token, dtype, shape, offset, size, hash_hex, expires_at, home = t
-    return Page(key, shard, token, dtype, tuple(shape), offset, size, hash_hex, expires_at, home)
+    key, shard, token, dtype, shape, offset, size, hash_hex, expires_at, ttl_s, home = t
+    return Page(
+        key, shard, token, dtype, tuple(shape), offset, size, hash_hex, expires_at, ttl_s, home
+    )

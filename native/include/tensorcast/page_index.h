@@ -45,6 +45,9 @@ struct CommitOptions {
     // Hash every region and refuse a page whose bytes do not match the writer's claim. Off only
     // for a writer that hashed the bytes as it wrote them into the pool (same-host page puts).
     bool check_hashes = true;
+    // > 0: the first lease runs this long, at most ttl_s (a page copied to a new home keeps
+    // what it had left); reads still renew it for ttl_s.
+    double expires_in_s = 0;
 };
 
 struct PageIndexStats {

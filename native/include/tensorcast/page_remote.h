@@ -8,7 +8,8 @@
 //           -> u32 n, n x (u8 found [, u64 size, str dtype, shape, str hash]), then the found
 //              pages' bytes back to back (not counted in the header's body size); renews
 //              the lease of each page found, as a GET does
-//   PUT  8: f64 ttl_s, u8 flags (1: if absent), u32 n, n x (str key, u32 shard, u64 token,
+//   PUT  8: f64 ttl_s, u8 flags (1: if absent, 2: an f64 first lease follows, at most ttl_s:
+//           a copied page keeps its expiry and renews for ttl_s), u32 n, n x (str key, u32 shard, u64 token,
 //           str dtype, shape, u64 size, str hash), then the pages' bytes back to back
 //           -> empty body
 // plus HELLO (token; -> u64 pool bytes) and EXISTS, as on the page socket. ALLOC, COMMIT and
@@ -151,6 +152,6 @@ struct RemotePutResult {
 };
 RemotePutResult remote_put(const std::vector<RemotePagePut>& pages,
                            const std::vector<RemoteHome>& homes, double ttl_s, bool if_absent,
-                           const RemoteOptions& options);
+                           const RemoteOptions& options, double expires_in_s = 0);
 
 }  // namespace tc
