@@ -192,6 +192,36 @@ def test_store_restart_on_etcd_with_workers_alive_lists_every_replica_again(ha):
             )
 
 
+def test_a_hung_store_member_is_failed_over_before_workers_count_as_dead(ha):
+    """The store the workers beat through hangs (SIGSTOP, not dead: connections are accepted
+    and never answered). Their heartbeats give up on it within half the TTL and go to the
+    other store, so they stay alive there (they beat through a 30 s timeout, and counted as
+    dead for ~25 s, their copies as lost)."""
+    from tensorcast.config import DEFAULT_HEARTBEAT_TTL_S
+
+    c, up = ha
+    with c.connect() as rt:
+        rt.put({"w": torch.arange(8.0)}, "hung/a", worker="worker-1")
+    pids = _pids(c)
+    second = up["store_addr"].split(",")[1]
+    os.kill(pids["store-1"], signal.SIGSTOP)  # the first member: every worker's current one
+    frozen_at = time.monotonic()
+    try:
+        with tc.connect(second, read_token(c.state_dir)) as rt:
+            # What this test is about is time itself: well past the TTL since the last beat
+            # through store-1, the workers are alive and the copy found, through store-2.
+            wait_until(lambda: time.monotonic() > frozen_at + 2 * DEFAULT_HEARTBEAT_TTL_S, 30)
+
+            def both_alive() -> bool:
+                return sorted(w.name for w in rt.workers() if w.alive) == ["worker-1", "worker-2"]
+
+            wait_until(both_alive, DEFAULT_HEARTBEAT_TTL_S)
+            assert rt.info("hung/a").replicas
+            assert torch.equal(rt.artifact("hung/a").tensor_dict()["w"], torch.arange(8.0))
+    finally:
+        os.kill(pids["store-1"], signal.SIGCONT)
+
+
 def test_tc_up_ha_after_one_that_failed_half_way_starts(tmp_path, monkeypatch):
     """The first `tc up --ha` dies after its etcd members wrote their data dirs (here: the
     stores fail to start): the next one starts those same members, not new ones that the

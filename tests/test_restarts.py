@@ -241,6 +241,66 @@ def test_workers_and_callers_fail_over_across_store_addresses(cluster):
         tc.connect("127.0.0.1:notaport", cluster.token)
 
 
+def test_a_worker_stops_on_a_sigterm_that_lands_on_any_of_its_threads(fresh_cluster):
+    """The kernel may hand a process's SIGTERM to any thread; Python runs the handler on the
+    main thread only once that thread runs again, so a main thread parked in a plain
+    `Event.wait()` never saw it (`tc down` then killed the worker after a minute, its disk
+    tier unsaved). Sent to one of its other threads, the worker still stops."""
+    import ctypes
+
+    with fresh_cluster.extra_worker("sig") as proc:
+        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        assert others
+        libc = ctypes.CDLL(None, use_errno=True)
+        SYS_TGKILL = 234  # x86-64
+        assert libc.syscall(SYS_TGKILL, proc.pid, others[-1], signal.SIGTERM) == 0
+        assert proc.wait(30) == 0
+
+
+def test_a_store_back_after_an_outage_keeps_its_workers_copies_while_they_report(cluster_dir):
+    """The store down for longer than the heartbeat TTL: the heartbeats it holds are all stale.
+    It must not drop the workers' replica rows before they have had a TTL to beat again, and
+    `delete_lost` waits for that (every copy looks lost until then: it deleted them all)."""
+    import sqlite3
+
+    from tensorcast.config import DEFAULT_HEARTBEAT_TTL_S
+
+    c = cluster_dir
+    first = _tc(c, "up", "--workers", "1", "--mem", "64MiB")
+    with c.connect() as rt:
+        for i in range(3):
+            rt.put(_data(i), f"outage/{i}")
+    worker = _pids(first)["worker-1"]
+    os.kill(worker, signal.SIGSTOP)  # it cannot report to the new store until we say so
+    try:
+        os.kill(_pids(first)["store"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_until(lambda: not _alive(_pids(first)["store"]), 30)
+        # What this test is about is time itself: the heartbeats must be stale.
+        wait_until(lambda: time.monotonic() > killed_at + DEFAULT_HEARTBEAT_TTL_S + 1.5, 30, 0.2)
+        _tc(c, "up")
+        with c.connect() as rt:
+            settling_s = rt.store_status().settling_s
+            assert 0 <= settling_s <= DEFAULT_HEARTBEAT_TTL_S
+            if settling_s < 2.5:  # the worker needs a moment of it after SIGCONT, below
+                pytest.skip("this machine took most of the settling window to get here")
+            db = sqlite3.connect(f"file:{c.state_dir / 'store.db'}?mode=ro", uri=True)
+            try:
+                # Past the store's first sweeps (every 0.5 s), still inside the window.
+                wait_until(lambda: rt.store_status().settling_s < settling_s - 0.6, 30, 0.1)
+                assert db.execute("SELECT COUNT(*) FROM replicas").fetchone()[0] >= 3
+            finally:
+                db.close()
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    with c.connect() as rt:
+        # At once: it waits for the rest of the window, in which the worker reports.
+        assert rt.delete_lost(dry_run=True) == []
+        assert rt.store_status().settling_s == 0
+        assert all(rt.info(f"outage/{i}").replicas for i in range(3))
+        assert all(_same(rt.artifact(f"outage/{i}").tensor_dict(), _data(i)) for i in range(3))
+
+
 def test_kv_pages_survive_a_store_outage_longer_than_their_shard_leases(cluster_dir):
     """The store down for longer than the shard leases' TTL: every lease lapses still naming
     its home, and each home takes its own shards back under the next token once the store is

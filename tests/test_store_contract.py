@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -286,6 +287,86 @@ def _etcd_store(endpoint: str):
         None, [endpoint], TTL, 4, GRACE, etcd_prefix=f"/contract-{next(_prefixes)}/"
     )
     return store
+
+
+def test_etcd_history_is_compacted_by_the_sweep(etcd_endpoint, monkeypatch):
+    """etcd keeps every revision until compacted and stops taking writes at its quota: the
+    store's sweep compacts all but the last revisions (a read at an older one then fails)."""
+    from tensorcast.store import etcd_store
+
+    store = _etcd_store(etcd_endpoint)
+    kv = store.kv
+
+    def read_at(revision: int) -> dict:
+        key = kv.put("history", 0)["request_put"]["key"]
+        return kv._post("/kv/range", {"key": key, "revision": revision})
+
+    try:
+        for i in range(20):
+            kv.apply([kv.put("history", {"i": i})])
+        old = kv.get("history").mod_revision - 10
+        assert read_at(old)["kvs"]  # the history is there
+        assert kv.compact(keep_revisions=5) > old
+        with pytest.raises(Unavailable, match="compacted"):
+            read_at(old)
+        assert kv.compact(keep_revisions=10**9) == 0  # nothing that old
+        for i in range(5):
+            kv.apply([kv.put("history", {"i": 20 + i})])
+        newer = kv.get("history").mod_revision - 3
+        assert read_at(newer)["kvs"]
+        monkeypatch.setattr(etcd_store, "COMPACT_KEEP_REVISIONS", 1)
+        store.sweep(time.time())  # the first sweep compacts
+        with pytest.raises(Unavailable, match="compacted"):
+            read_at(newer)
+    finally:
+        store.close()
+
+
+def test_a_silent_etcd_member_costs_the_store_status_one_short_wait(etcd_endpoint):
+    """Every new client asks the store's Status, which reports each etcd member's health: a
+    member that accepts connections and never answers is reported within the health timeout
+    (all are asked at once), not after etcd's 5 s client timeout per silent member."""
+    import socket
+
+    from tensorcast.store import etcd_kv
+
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never answers
+    try:
+        addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        kv = etcd_kv.EtcdKV([etcd_endpoint, addr, addr], prefix="/health/")
+        started = time.monotonic()
+        health = kv.member_health()
+        took = time.monotonic() - started
+        assert [h[:2] for h in health] == [(etcd_endpoint, True), (addr, False), (addr, False)]
+        assert "no answer" in health[1][2]
+        assert took < 4.0, took  # 10 s when asked in turn; ~1 s now
+        assert kv.member_health() is health  # remembered for a moment
+    finally:
+        silent.close()
+
+
+def test_etcd_out_of_space_is_resource_exhausted_and_reads_still_work(tmp_path):
+    """A member at its space quota refuses every write alike: ResourceExhausted saying what
+    to do, at once (not Unavailable after trying every member), and reads still answer."""
+    from tensorcast.errors import ResourceExhausted
+    from tensorcast.sdk import local_etcd
+    from tensorcast.store.etcd_kv import EtcdKV
+
+    (member,) = local_etcd.plan_members(1, "127.0.0.1", tmp_path)
+    log = tmp_path / "etcd.log"
+    args = ["--quota-backend-bytes", str(2 << 20)]
+    proc = local_etcd.spawn(member, [member], local_etcd.cluster_token(), log, tmp_path, args)
+    try:
+        local_etcd.wait_healthy([member], [proc], log)
+        kv = EtcdKV([member.client_addr], prefix="/quota/")
+        blob = "x" * (200 << 10)
+        with pytest.raises(ResourceExhausted, match="out of space"):
+            for i in range(64):  # 12.8 MiB against a 2 MiB quota
+                kv.apply([kv.put(f"big/{i}", blob)])
+        assert kv.get("big/0") is not None
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_etcd_a_full_inventory_removes_rows_of_contents_gone_meanwhile(etcd_endpoint):

@@ -3,7 +3,9 @@ store calls as frames on a kept-open socket, with gRPC as the fallback. Real sto
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -44,6 +46,31 @@ def test_store_calls_go_by_frames_and_answer_as_grpc_does(rt):
         assert rt.store._frames is not None
     finally:
         client.close()
+
+
+def _open_files(pid: int, name: str) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += name in os.readlink(f"/proc/{pid}/fd/{fd}")
+    return count
+
+
+def test_short_lived_clients_leave_no_open_database_files_in_the_store(cluster, rt):
+    """Each frame connection has a thread of its own; its reads must not leave a sqlite
+    connection (two descriptors) behind it: the store ran out of them after ~500 clients."""
+    from tensorcast.store.sqlite_store import MAX_IDLE_READERS
+
+    store = next(p.pid for p in cluster.record.processes if p.role == "store")
+    rt.put({"w": torch.arange(4.0)}, "frames/fd")
+    before = _open_files(store, "store.db")
+    for _ in range(60):
+        client = _frame_client(rt)
+        try:
+            assert client.call("GetArtifact", pb.ArtifactRequest(art_id="frames/fd"), 5.0).art_id
+        finally:
+            client.close()
+    assert _open_files(store, "store.db") <= before + 2 * MAX_IDLE_READERS
 
 
 def test_a_wrong_token_is_refused(rt):

@@ -203,7 +203,8 @@ def start(
     logging.getLogger("tensorcast.instance").info(
         "instance %s (%s) on worker %s, endpoint %s", iid, what, target.name, http.addr
     )
-    stop.wait()
+    while not stop.wait(0.5):  # see worker/server.py: a plain wait() may miss SIGTERM
+        pass
     inst.close()
     http.close()
     if engine_name == "sim":

@@ -537,7 +537,7 @@ class BatchReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[StoreOpResult, _Mapping]]] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
-    __slots__ = ("version", "schema_version", "uptime_s", "db_path", "heartbeat_ttl_s", "num_artifacts", "num_contents", "backend_members", "frame_port")
+    __slots__ = ("version", "schema_version", "uptime_s", "db_path", "heartbeat_ttl_s", "num_artifacts", "num_contents", "backend_members", "frame_port", "settling_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -547,6 +547,7 @@ class StoreStatus(_message.Message):
     NUM_CONTENTS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
+    SETTLING_S_FIELD_NUMBER: _ClassVar[int]
     version: str
     schema_version: int
     uptime_s: float
@@ -556,7 +557,8 @@ class StoreStatus(_message.Message):
     num_contents: int
     backend_members: _containers.RepeatedCompositeFieldContainer[BackendMember]
     frame_port: int
-    def __init__(self, version: _Optional[str] = ..., schema_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., db_path: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., num_artifacts: _Optional[int] = ..., num_contents: _Optional[int] = ..., backend_members: _Optional[_Iterable[_Union[BackendMember, _Mapping]]] = ..., frame_port: _Optional[int] = ...) -> None: ...
+    settling_s: float
+    def __init__(self, version: _Optional[str] = ..., schema_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., db_path: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., num_artifacts: _Optional[int] = ..., num_contents: _Optional[int] = ..., backend_members: _Optional[_Iterable[_Union[BackendMember, _Mapping]]] = ..., frame_port: _Optional[int] = ..., settling_s: _Optional[float] = ...) -> None: ...
 
 class BackendMember(_message.Message):
     __slots__ = ("addr", "healthy", "detail")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, parse_store_addrs, send_token
-from tensorcast.errors import Unavailable, error_for_grpc_code
+from tensorcast.errors import DeadlineExceeded, Unavailable, error_for_grpc_code
 from tensorcast.rpc import ERROR_MARK, TOKEN_METADATA_KEY
 
 if TYPE_CHECKING:
@@ -56,13 +56,18 @@ def translate(error: grpc.RpcError, target: str) -> Exception:
             )
         return Unreachable(f"cannot reach {target}: {details}. Is it running? (tc status)")
     if code_name == "DEADLINE_EXCEEDED":
-        details = f"{target} did not answer in time: {details}"
+        return NoAnswer(f"{target} did not answer in time: {details}")
     return error_for_grpc_code(code_name)(details)
 
 
 class Unreachable(Unavailable):
     """The peer could not be reached at all (connection refused, reset, no route): another
     member of a replicated service may answer instead."""
+
+
+class NoAnswer(DeadlineExceeded):
+    """The peer did not answer within the call's deadline (hung, or overloaded; the call may
+    have run): another member of a replicated service may answer instead."""
 
 
 class Stub:
@@ -94,10 +99,10 @@ class Stub:
 
 class FailoverStub:
     """A replicated service at several addresses: each call goes to the member that answered
-    last; a member that cannot be reached is skipped, each member tried once per call. Members
-    must serve the same state (Global Store processes over one etcd cluster, or one store
-    restarted at another address), so a call retried on another is safe: the store's calls are
-    idempotent or refuse a repeat."""
+    last; a member that cannot be reached, or does not answer in time (hung), is skipped, each
+    member tried once per call. Members must serve the same state (Global Store processes over
+    one etcd cluster, or one store restarted at another address), so a call retried on another
+    is safe: the store's calls are idempotent or refuse a repeat."""
 
     def __init__(
         self,
@@ -129,7 +134,7 @@ class FailoverStub:
             k = (first + i) % len(self.addrs)
             try:
                 reply = self._stub(k).call(method, request, timeout_s)
-            except Unreachable:
+            except (Unreachable, NoAnswer):
                 if i == len(self.addrs) - 1:
                     raise
                 continue

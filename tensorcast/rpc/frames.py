@@ -31,7 +31,6 @@ from typing import Any
 
 from tensorcast.config import MAX_MESSAGE_BYTES, TLSFiles, send_token, token_accepted
 from tensorcast.errors import (
-    DeadlineExceeded,
     InvalidArgument,
     TensorcastError,
     Unauthenticated,
@@ -40,7 +39,7 @@ from tensorcast.errors import (
 )
 from tensorcast.metrics import RPC_LATENCY
 from tensorcast.proto import tensorcast_pb2 as pb
-from tensorcast.rpc.client import FailoverStub
+from tensorcast.rpc.client import FailoverStub, NoAnswer
 from tensorcast.transport.unix import recv_exact
 
 log = logging.getLogger(__name__)
@@ -190,8 +189,8 @@ class FrameClient:
         self._lock = threading.Lock()
 
     def call(self, method: str, request: Any, timeout_s: float) -> Any:
-        """The reply, or the server's TensorcastError; DeadlineExceeded past `timeout_s`
-        (the call may have run); FrameTransportError when the connection failed."""
+        """The reply, or the server's TensorcastError; NoAnswer (a DeadlineExceeded) past
+        `timeout_s` (the call may have run); FrameTransportError when the connection failed."""
         reply_class = STORE_METHODS[method][1]
         sock = self._take(timeout_s)
         try:
@@ -205,7 +204,7 @@ class FrameClient:
             body = recv_exact(sock, size)
         except TimeoutError:
             sock.close()
-            raise DeadlineExceeded(
+            raise NoAnswer(
                 f"the global store did not answer {method} within {timeout_s:.1f}s"
             ) from None
         except (OSError, FrameTransportError) as e:
@@ -298,9 +297,15 @@ class StoreClient(FailoverStub):
                 reply = frames.call(method, request, timeout_s or self.timeout_s)
                 self._unconfirmed = None
                 return reply
-            except (FrameTransportError, Unauthenticated) as e:
+            except (FrameTransportError, Unauthenticated, NoAnswer) as e:
                 if isinstance(e, Unauthenticated) and frames is not self._unconfirmed:
                     raise
+                if isinstance(e, NoAnswer):
+                    if len(self.addrs) == 1:
+                        raise
+                    # A hung member: the call goes to the next (the gRPC failover tries this
+                    # one again last).
+                    self._current = (self._frames_member + 1) % len(self.addrs)
                 log.info("store frame port failed (%s): this call goes by gRPC", e)
                 with self._frames_lock:
                     if self._frames is frames:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,10 +65,16 @@ def cluster_token() -> str:
 
 
 def spawn(
-    member: EtcdMember, members: list[EtcdMember], token: str, log: Path, cwd: Path
+    member: EtcdMember,
+    members: list[EtcdMember],
+    token: str,
+    log: Path,
+    cwd: Path,
+    extra_args: Sequence[str] = (),
 ) -> subprocess.Popen:
     """Start one member (joins or forms the cluster of `members`; a data dir that exists
-    already holds its identity, and the cluster flags are then ignored by etcd)."""
+    already holds its identity, and the cluster flags are then ignored by etcd), with
+    `extra_args` for etcd."""
     cluster = ",".join(f"{m.name}=http://{m.peer_addr}" for m in members)
     args = [
         etcd_binary(),
@@ -89,6 +96,7 @@ def spawn(
         token,
         "--initial-cluster-state",
         "new",
+        *extra_args,
     ]
     with open(log, "ab") as out:
         return subprocess.Popen(

@@ -540,7 +540,18 @@ class Runtime:
         """Delete the artifacts (ids starting with `prefix`) that no live worker holds a copy
         of: their bytes are gone (every worker that held them died or stopped without a disk
         tier). Returns their ids; `dry_run` only lists them. A worker that is restarting and
-        has not reported yet makes its artifacts look lost: run this once the cluster is up."""
+        has not reported yet makes its artifacts look lost: run this once the cluster is up.
+        A store just started (or back from an outage of its backend) waits a heartbeat TTL
+        for its workers to report: this waits for that first (every copy looks lost until
+        then)."""
+        give_up_at = time.monotonic() + 2 * self.store_status().heartbeat_ttl_s
+        while (settling_s := self.store_status().settling_s) > 0:
+            if time.monotonic() + settling_s > give_up_at:
+                raise Unavailable(
+                    f"the Global Store is still waiting {settling_s:.1f}s for its workers to "
+                    "report (it or its backend was down): retry then"
+                )
+            time.sleep(min(settling_s, 0.5))  # bounded: settling_s is at most one TTL
         lost: list[str] = []
         page, after = self.list_artifacts_page(prefix)
         while True:

@@ -398,8 +398,10 @@ class MetadataStore(Protocol):
         ...
 
     def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo: ...
-    def sweep(self, now: float) -> None:
-        """Drop replicas of dead workers, expired leases and never-referenced contents."""
+    def sweep(self, now: float, judge_workers: bool = True) -> None:
+        """Drop expired leases and never-referenced contents, and with `judge_workers` the
+        replicas of dead workers (not while they may still be reporting to a store that was
+        down: their heartbeats could not land)."""
         ...
 
     def counts(self) -> tuple[int, int]:

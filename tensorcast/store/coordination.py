@@ -200,13 +200,12 @@ class SqliteCoordination:
                 [worker_id, *(i.instance_id for i in instances)],
             )
 
-        if (
-            instances
-            or self.store._reader()
-            .execute("SELECT 1 FROM instances WHERE worker_id = ? LIMIT 1", [worker_id])
-            .fetchone()
-        ):
-            self.store.write(report)
+        if not instances:
+            with self.store._snapshot() as conn:
+                query = "SELECT 1 FROM instances WHERE worker_id = ? LIMIT 1"
+                if conn.execute(query, [worker_id]).fetchone() is None:
+                    return  # nothing to forget: no write
+        self.store.write(report)
 
     def list_instances(self, now: float) -> list[InstanceInfo]:
         with self._lock:

@@ -11,19 +11,23 @@ from __future__ import annotations
 import base64
 import json
 import random
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tensorcast.config import TLSFiles, parse_host_port
-from tensorcast.errors import InvalidArgument, Unavailable
+from tensorcast.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 T = TypeVar("T")
 
 MAX_TXN_OPS = 100  # etcd refuses transactions of more than 128 operations (--max-txn-ops)
 CONFLICT_ATTEMPTS = 32
 RANGE_PAGE = 5000
+HEALTH_TIMEOUT_S = 1.0
+HEALTH_CACHE_S = 2.0
 
 
 class Conflict(Exception):
@@ -42,6 +46,20 @@ def _b64(text: str) -> str:
 
 def _unb64(text: str) -> str:
     return base64.b64decode(text).decode()
+
+
+def _raise_final(detail: str) -> None:
+    """Errors every member would answer the same: no point trying the next one."""
+    if "database space exceeded" in detail:
+        raise ResourceExhausted(
+            "the etcd cluster is out of space (its --quota-backend-bytes): compact and "
+            "defragment it (etcdctl compact, etcdctl defrag), then etcdctl alarm disarm"
+        )
+    if "request is too large" in detail:
+        raise InvalidArgument(
+            "a Global Store record is larger than etcd takes in one request "
+            "(its --max-request-bytes): " + detail[:200]
+        )
 
 
 def _range_end(prefix: str) -> str:
@@ -65,6 +83,8 @@ class EtcdKV:
             raise InvalidArgument("--etcd-endpoints: name at least one HOST:PORT")
         self.endpoints = endpoints
         self.prefix = prefix
+        self._health_lock = threading.Lock()
+        self._health: tuple[float, list[tuple[str, bool, str]]] = (float("-inf"), [])
         self._clients = []
         for endpoint in endpoints:
             host, port = parse_host_port(endpoint)
@@ -103,12 +123,29 @@ class EtcdKV:
                 errors.append(f"{self.endpoints[k]}: {str(e)[:200]}")
                 continue
             except exceptions.Etcd3Exception as e:
+                _raise_final(e.detail_text or "")
                 # A member without a quorum or leader answers with an error: try another.
-                errors.append(f"{self.endpoints[k]}: {str(e)[:200]}")
+                errors.append(f"{self.endpoints[k]}: {str(e)[:200]} {(e.detail_text or '')[:200]}")
                 continue
             self._current = k
             return reply
         raise Unavailable("no etcd endpoint answered: " + "; ".join(errors))
+
+    def compact(self, keep_revisions: int) -> int:
+        """Forget the history of every key but its last `keep_revisions` revisions: etcd keeps
+        every revision until compacted and stops taking writes at its space quota (heartbeats
+        alone write ~15 revisions a second). Returns the revision compacted to, 0 if none."""
+        reply = self._post("/kv/range", {"key": _b64(self.prefix), "keys_only": True, "limit": 1})
+        target = int(reply["header"]["revision"]) - keep_revisions
+        if target <= 0:
+            return 0
+        try:
+            self._post("/kv/compaction", {"revision": target})
+        except Unavailable as e:
+            if "compacted" in str(e):  # another store compacted as far or further
+                return 0
+            raise
+        return target
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -259,12 +296,29 @@ class EtcdKV:
         )
 
     def member_health(self) -> list[tuple[str, bool, str]]:
-        """(endpoint, healthy, detail) of every configured endpoint."""
+        """(endpoint, healthy, detail) of every configured endpoint, asked all at once and
+        each given HEALTH_TIMEOUT_S (the store's Status, which every new client calls, waited
+        5 s for each silent member in turn); remembered for HEALTH_CACHE_S."""
+        with self._health_lock:
+            cached_at, cached = self._health
+            if time.monotonic() - cached_at < HEALTH_CACHE_S:
+                return cached
+
+        def ask(client: Any) -> str:
+            return f"leader {client.status()['leader']}"
+
+        pool = ThreadPoolExecutor(max_workers=len(self._clients))
+        asked = [pool.submit(ask, client) for client in self._clients]
+        pool.shutdown(wait=False)  # a silent member's thread ends at its own timeout
+        done, _ = wait(asked, timeout=HEALTH_TIMEOUT_S)
         out = []
-        for endpoint, client in zip(self.endpoints, self._clients):
-            try:
-                status = client.status()
-                out.append((endpoint, True, f"leader {status['leader']}"))
-            except Exception as e:  # an unhealthy member is reported, not raised
-                out.append((endpoint, False, str(e)[:200]))
+        for endpoint, future in zip(self.endpoints, asked):
+            if future not in done:
+                out.append((endpoint, False, f"no answer within {HEALTH_TIMEOUT_S:.0f}s"))
+            elif future.exception() is not None:  # an unhealthy member is reported, not raised
+                out.append((endpoint, False, str(future.exception())[:200]))
+            else:
+                out.append((endpoint, True, future.result()))
+        with self._health_lock:
+            self._health = (time.monotonic(), out)
         return out

@@ -135,12 +135,21 @@ def serve(
     log.info("global store listening on %s, records in %s", addr, db_path)
     if on_ready:
         on_ready(addr, metrics.addr, service.frame_port)
+    failing = False
     while not stop.wait(SWEEP_INTERVAL_S):
+        now = time.time()
         try:
-            store.sweep(time.time())
-            coord.sweep(time.time())
+            store.sweep(now, judge_workers=not failing and now >= service.judged_from)
+            coord.sweep(now)
         except Exception:  # keep serving; the next sweep retries
-            log.exception("sweep failed")
+            if not failing:
+                log.exception("sweep failed; retrying every %.1fs", SWEEP_INTERVAL_S)
+            failing = True
+            continue
+        if failing:  # the backend answers again; the workers' heartbeats could not meanwhile
+            log.info("sweeps work again")
+            service.judged_from = now + heartbeat_ttl_s
+            failing = False
     log.info("global store stopping")
     metrics.close()
     if frames:

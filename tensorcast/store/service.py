@@ -50,6 +50,9 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
         self.db_path = db_path
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.started_at = time.time()
+        # Workers count as dead (missed heartbeats) from then on: a TTL after this store, or
+        # its backend after an outage, came back (the sweeper moves it).
+        self.judged_from = self.started_at + heartbeat_ttl_s
         self.frame_port = 0  # set by the server once its frame port listens
         # Heartbeats by what their inventory was: "full", "delta" or "resync" (a delta refused).
         self.heartbeats = {"full": 0, "delta": 0, "resync": 0}
@@ -69,6 +72,7 @@ class GlobalStoreService(pb_grpc.GlobalStoreServicer):
                 pb.BackendMember(addr=a, healthy=h, detail=d) for a, h, d in self.store.members()
             ],
             frame_port=self.frame_port,
+            settling_s=max(0.0, self.judged_from - time.time()),
         )
 
     def RegisterWorker(self, request, context):

@@ -69,6 +69,7 @@ T = TypeVar("T")
 
 MAX_GROUP = 256  # writes committed together at most
 IN_CHUNK = 500  # ids per `IN (...)` query
+MAX_IDLE_READERS = 8  # read connections kept open between reads
 
 
 class _Write:
@@ -116,8 +117,7 @@ class SqliteStore:
         self._lock = threading.Lock()  # the write connection
         self._queue_lock = threading.Lock()
         self._queue: list[_Write] = []
-        self._readers = threading.local()
-        self._reader_conns: list[sqlite3.Connection] = []
+        self._idle_readers: list[sqlite3.Connection] = []  # guarded by _queue_lock
         self._closed = False
         self.faults = fault_injection()
         self._exit_after_commit = False
@@ -130,9 +130,9 @@ class SqliteStore:
             self._closed = True
             self.db.conn.close()
             with self._queue_lock:
-                for conn in self._reader_conns:
+                for conn in self._idle_readers:
                     conn.close()
-                self._reader_conns.clear()
+                self._idle_readers.clear()
 
     # -- transactions ----------------------------------------------------------------------------
 
@@ -210,28 +210,32 @@ class SqliteStore:
             for op in group:
                 op.done = True
 
-    def _reader(self) -> sqlite3.Connection:
-        """This thread's read connection (WAL: reads see committed data, never wait)."""
-        conn = getattr(self._readers, "conn", None)
-        if conn is None:
-            if self._closed:
-                raise Unavailable("the Global Store is shutting down")
-            conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
-            conn.isolation_level = None
-            self._readers.conn = conn
-            with self._queue_lock:
-                self._reader_conns.append(conn)
-        return conn
-
     @contextlib.contextmanager
     def _snapshot(self) -> Iterator[sqlite3.Connection]:
-        """A read transaction: every query inside sees the same committed state."""
-        conn = self._reader()
-        conn.execute("BEGIN")
+        """A read transaction on a pooled read connection (WAL: reads see committed data and
+        never wait): every query inside sees the same committed state. At most
+        MAX_IDLE_READERS stay open between reads (one per serving thread leaked two file
+        descriptors per client connection, until the store could open no more)."""
+        with self._queue_lock:
+            if self._closed:
+                raise Unavailable("the Global Store is shutting down")
+            conn = self._idle_readers.pop() if self._idle_readers else None
+        if conn is None:
+            conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
+            conn.isolation_level = None
         try:
-            yield conn
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("COMMIT")
         finally:
-            conn.execute("COMMIT")
+            with self._queue_lock:
+                keep = not self._closed and len(self._idle_readers) < MAX_IDLE_READERS
+                if keep:
+                    self._idle_readers.append(conn)
+            if not keep:
+                conn.close()
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -487,14 +491,15 @@ class SqliteStore:
     def list_references(self, host_id: str) -> list[tuple[str, str]]:
         """(content id, spec) of the files registered by reference on `host_id` whose content
         an artifact still names."""
-        return [
-            (r[0], r[1])
-            for r in self._reader().execute(
-                "SELECT f.content_id, f.spec FROM file_references f JOIN contents c "
-                "USING (content_id) WHERE f.host_id = ? ORDER BY f.created_at",
-                [host_id],
-            )
-        ]
+        with self._snapshot() as conn:
+            return [
+                (r[0], r[1])
+                for r in conn.execute(
+                    "SELECT f.content_id, f.spec FROM file_references f JOIN contents c "
+                    "USING (content_id) WHERE f.host_id = ? ORDER BY f.created_at",
+                    [host_id],
+                )
+            ]
 
     def remove_replica(
         self,
@@ -530,17 +535,17 @@ class SqliteStore:
         return ContentInfo(content_id, row[0], tensors, replicas)
 
     def held_contents(self, content_ids: list[str], now: float, touch: bool = False) -> set[str]:
-        conn = self._reader()
         held: set[str] = set()
-        for start in range(0, len(content_ids), IN_CHUNK):
-            batch = content_ids[start : start + IN_CHUNK]
-            marks = ",".join("?" * len(batch))
-            rows = conn.execute(
-                "SELECT DISTINCT r.content_id FROM replicas r JOIN workers w USING (worker_id) "
-                f"WHERE r.content_id IN ({marks}) AND w.last_heartbeat >= ?",
-                [*batch, now - self.heartbeat_ttl_s],
-            )
-            held.update(r[0] for r in rows)
+        with self._snapshot() as conn:
+            for start in range(0, len(content_ids), IN_CHUNK):
+                batch = content_ids[start : start + IN_CHUNK]
+                marks = ",".join("?" * len(batch))
+                rows = conn.execute(
+                    "SELECT DISTINCT r.content_id FROM replicas r JOIN workers w "
+                    f"USING (worker_id) WHERE r.content_id IN ({marks}) AND w.last_heartbeat >= ?",
+                    [*batch, now - self.heartbeat_ttl_s],
+                )
+                held.update(r[0] for r in rows)
         if touch and held:
             found = sorted(held)
 
@@ -922,6 +927,21 @@ class SqliteStore:
             self.db.execute("DELETE FROM file_references WHERE content_id = ?", [content_id])
             self.db.execute("DELETE FROM contents WHERE content_id = ?", [content_id])
 
+    def _drop_dead_workers(self, now: float) -> None:
+        dead_before = now - self.heartbeat_ttl_s
+        dead = "SELECT worker_id FROM workers WHERE last_heartbeat < ?"
+        self.db.execute(f"DELETE FROM replicas WHERE worker_id IN ({dead})", [dead_before])
+        self.db.execute(f"DELETE FROM replica_drops WHERE worker_id IN ({dead})", [dead_before])
+        # Their rows are gone: a worker back from the dead must report everything again.
+        self.db.execute(
+            "UPDATE workers SET inventory_epoch = 0 WHERE last_heartbeat < ? "
+            "AND inventory_epoch != 0",
+            [dead_before],
+        )
+        self.db.execute(
+            "DELETE FROM workers WHERE last_heartbeat < ?", [now - DEAD_WORKER_RETENTION_S]
+        )
+
     def _expire(self, now: float) -> None:
         expired = self.db.execute(
             "SELECT art_id, content_id FROM artifacts WHERE expires_at IS NOT NULL "
@@ -941,22 +961,11 @@ class SqliteStore:
             args,
         )
 
-    def sweep(self, now: float) -> None:
+    def sweep(self, now: float, judge_workers: bool = True) -> None:
         with self.transaction():
             self._expire(now)
-            dead_before = now - self.heartbeat_ttl_s
-            dead = "SELECT worker_id FROM workers WHERE last_heartbeat < ?"
-            self.db.execute(f"DELETE FROM replicas WHERE worker_id IN ({dead})", [dead_before])
-            self.db.execute(f"DELETE FROM replica_drops WHERE worker_id IN ({dead})", [dead_before])
-            # Their rows are gone: a worker back from the dead must report everything again.
-            self.db.execute(
-                "UPDATE workers SET inventory_epoch = 0 WHERE last_heartbeat < ? "
-                "AND inventory_epoch != 0",
-                [dead_before],
-            )
-            self.db.execute(
-                "DELETE FROM workers WHERE last_heartbeat < ?", [now - DEAD_WORKER_RETENTION_S]
-            )
+            if judge_workers:
+                self._drop_dead_workers(now)
             # A forgotten worker's instances go with it (they died with it, or moved on and
             # are reported by their new worker).
             self.db.execute(
@@ -981,11 +990,11 @@ class SqliteStore:
             )
 
     def counts(self) -> tuple[int, int]:
-        conn = self._reader()
-        return (
-            conn.execute("SELECT COUNT(*) FROM artifacts").fetchone()[0],
-            conn.execute("SELECT COUNT(*) FROM contents").fetchone()[0],
-        )
+        with self._snapshot() as conn:
+            return (
+                conn.execute("SELECT COUNT(*) FROM artifacts").fetchone()[0],
+                conn.execute("SELECT COUNT(*) FROM contents").fetchone()[0],
+            )
 
     def describe(self) -> str:
         return str(self.path)

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
-from tensorcast.config import TLSFiles, host_id
+from tensorcast.config import DEFAULT_HEARTBEAT_TTL_S, TLSFiles, host_id
 from tensorcast.errors import (
     DeadlineExceeded,
     IntegrityError,
@@ -86,6 +86,7 @@ class WorkerNode:
         self.transfer_bytes_total: Callable[[], int] = lambda: 0
         self.store_addr = store_addr
         self.heartbeat_interval_s = 1.0
+        self.heartbeat_ttl_s = DEFAULT_HEARTBEAT_TTL_S  # the store's, once registered
         # KV pages (homed or cached), the shard leases behind them, attached instances.
         self.pages = PageStore(pool)
         self.leases = LeaseCache(self.worker_id, self.pages.index.set_leases)
@@ -142,6 +143,7 @@ class WorkerNode:
                 )
             ),
         )
+        self.heartbeat_ttl_s = reply.heartbeat_ttl_s
         return reply.heartbeat_ttl_s
 
     def reserve(self, size_bytes: int) -> Reservation:
@@ -678,7 +680,9 @@ class WorkerNode:
                 **inventory_fields(inventory),
             )
             try:
-                reply = self.store.call("Heartbeat", request)
+                # Well within the TTL: a hung store member must leave time to beat through
+                # another before this worker counts as dead.
+                reply = self.store.call("Heartbeat", request, timeout_s=self.heartbeat_ttl_s / 2)
             except NotFound:
                 if registered:
                     raise

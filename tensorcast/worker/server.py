@@ -50,6 +50,7 @@ def advertised(addr: str) -> str:
 # A stopping shard home copies its pages to the next homes for at most this long (`tc worker
 # stop` waits 10 s by default before SIGKILL, and a disk tier is written after it).
 HAND_OVER_BUDGET_S = 5.0
+STOP_POLL_S = 0.5
 
 METRIC_HELP = {
     "tc_pool_bytes": "pool memory by tier and kind (capacity, used)",
@@ -235,7 +236,10 @@ def serve(
     )
     if on_ready:
         on_ready(node)
-    stop.wait()
+    # Woken now and then: a SIGTERM the kernel hands to another thread sets `stop` from the
+    # handler only once this thread runs Python again (a plain wait() may never return).
+    while not stop.wait(STOP_POLL_S):
+        pass
     log.info("worker %s stopping", node.name)
     if "shard-home" in roles:
         log.info("handed %d shards over", node.hand_over_shards(HAND_OVER_BUDGET_S))
