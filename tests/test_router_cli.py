@@ -304,6 +304,7 @@ def test_router_rebalance_moves_a_session_and_a_racing_turn_waits(
     state = r.state()
     (move,) = state["migrations"]
     assert move["status"] == "ok" and move["bytes"] > 0 and move["req_id"] == "s-31"
+    assert (state["migrations_ok"], state["migrated_bytes"]) == (1, move["bytes"])
     assert "s-31" not in sessions_on(endpoints["sim-a"])
     # The record is what `tc router state` prints.
     proc = cluster.tc("router", "state", "--router", addr, "--json", check=True)
@@ -327,6 +328,35 @@ def test_rebalance_spreads_new_sessions_that_share_a_prefix(cluster, sims, route
         "sim-a": 2,
         "sim-b": 2,
     }
+
+
+def test_rebalance_places_new_sessions_by_the_load_its_ticks_see(cluster, sims, router):
+    """sim-a reports 4 running requests (the module's hogs, sent around the router): once a
+    tick has seen that, new sessions go to sim-b, not to the instance the next ticks would
+    move them off."""
+    r, addr = router(policy="rebalance", instances=("sim-a", "sim-b"))
+    assert r.tick_once()["decision"] is None  # no session to move yet; the loads are in
+    picks = [routed(addr, f"pl-{k}", context(110 + k, 20))[0] for k in range(3)]
+    assert picks == ["sim-b"] * 3
+
+
+def test_a_turn_for_an_instance_that_died_goes_to_a_live_one(cluster, sims, router):
+    """An instance killed: until discovery drops it (up to a heartbeat TTL), the router still
+    lists it. A turn that finds it refusing connections goes to a live instance at once
+    (nothing was sent), and it gets no new session meanwhile (it got them all: 503s)."""
+    proc, _ = start_sim_instance(cluster, "sim-d", "worker-2")
+    try:
+        r, addr = router(policy="rebalance", instances=("sim-b", "sim-d"), discover_s=3600.0)
+        first = [routed(addr, f"d-{k}", context(80 + k, 20))[0] for k in range(2)]
+        assert sorted(first) == ["sim-b", "sim-d"]  # occupancy spreads them
+        k = first.index("sim-d")
+    finally:
+        proc.kill()
+        proc.wait(10)
+    where, reply = routed(addr, f"d-{k}", context(80 + k, 20) + [1] * 8)
+    assert where == "sim-b" and reply["meta_info"]["completion_tokens"] == 1
+    assert routed(addr, "d-new", context(90, 20))[0] == "sim-b"
+    assert [i["instance_id"] for i in r.state()["instances"]] == ["sim-b", "sim-d"]  # listed
 
 
 def test_baseline_policies_spread_or_stick(cluster, sims, router):
@@ -354,6 +384,10 @@ def test_router_rejects_malformed_requests(cluster, sims, router):
         (json.dumps({"sampling_params": {}}).encode(), 400),
         (json.dumps({"input_ids": "abc"}).encode(), 400),
         (json.dumps({"input_ids": [1, 2], "rid": 5}).encode(), 400),
+        (json.dumps({"input_ids": [-1] * 40}).encode(), 400),
+        (json.dumps({"input_ids": [2**40] * 40}).encode(), 400),
+        (json.dumps({"input_ids": [True, 1]}).encode(), 400),
+        (b"[" * 100_000, 400),  # nesting past Python's recursion limit
     ):
         conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
         conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
@@ -523,8 +557,11 @@ def test_dead_target_mid_migration_leaves_the_session_on_its_source(
     procs["sim-c"].wait(10)
     release.set()
     wait_until(lambda: r.state()["migrations"], 60)
-    (move,) = r.state()["migrations"]
+    state = r.state()
+    (move,) = state["migrations"]
     assert move["status"] == "failed"
+    # Its publish moved bytes; the session did not move: not counted as moved.
+    assert (state["migrations_ok"], state["migrated_bytes"]) == (0, 0), move
     # Never lost: the source still holds it and the next turn goes there, with its cache.
     assert "s-41" in sessions_on(endpoints["sim-a"])
     where, reply = routed(addr, "s-41", ids + first["output_ids"] + [5] * 10)
@@ -532,11 +569,14 @@ def test_dead_target_mid_migration_leaves_the_session_on_its_source(
 
 
 def test_top_router_view():
-    """The router tabs render the state a router serves (fixed data, pilot test)."""
+    """The router tabs render the state a router serves (fixed data, pilot test). Session
+    ids are any client's text: one that reads as markup ("[/]") shows as it is (it crashed
+    tc top, in the migrations and in the plans its router recorded)."""
     import asyncio
 
     from tensorcast.tui.snapshot import ClusterSnapshot
     from tensorcast.tui.top import TopApp
+    from tensorcast.types import PlanRecord
 
     state = {
         "router_id": "r1",
@@ -566,13 +606,26 @@ def test_top_router_view():
                 "duration_s": 0.25,
                 "at": 990.0,
                 "key": "router-r1/s-1/sim-a->sim-b/0/96",
-            }
+            },
+            {
+                "req_id": "[/]",
+                "source": "sim-a",
+                "target": "sim-b",
+                "status": "failed",
+                "duration_s": 0.5,
+                "at": 980.0,
+                "key": "router-r1/[/]/sim-a->sim-b/0/65",
+            },
         ],
     }
+    plan = PlanRecord("router-r1/[/]/sim-a->sim-b/0/65", "[b]t", "failed", {}, 980.0, 981.0)
 
     class Source:
         def fetch(self):
-            return ClusterSnapshot(1000.0, "store:1", router=state)
+            return ClusterSnapshot(1000.0, "store:1", plans=(plan,), router=state)
+
+    def cells(app: TopApp, view: str, i: int) -> list[str]:
+        return [str(c) for c in app.tables[view].get_row_at(i)]
 
     async def run():
         app = TopApp(Source(), interval_s=3600, clock=lambda: 1000.0, show_router=True)  # type: ignore[arg-type]
@@ -580,13 +633,86 @@ def test_top_router_view():
             await pilot.pause()
             await pilot.press("6")
             await pilot.pause()
-            table = app.tables["router"]
-            assert table.get_row_at(0) == ["sim-a", "4", "1+4", "4.50", "2", "9"]
+            assert cells(app, "router", 0) == ["sim-a", "4", "1+4", "4.50", "2", "9"]
             await pilot.press("7")
             await pilot.pause()
-            row = app.tables["migrations"].get_row_at(0)
+            rows = [cells(app, "migrations", i) for i in range(2)]
+            row = next(r for r in rows if r[0] == "s-1")
             assert row[:6] == ["s-1", "sim-a", "sim-b", "ok", "3.0 MiB", "0.250s"]
             assert row[6] == "10s ago"
+            assert any(r[0] == "[/]" and r[-1] == plan.idempotency_key for r in rows)
             assert "1 migrations" in str(app.status.content)
+            await pilot.press("5")
+            await pilot.pause()
+            assert cells(app, "plans", 0)[:2] == ["[b]t", plan.idempotency_key]
 
     asyncio.run(run())
+
+
+def test_turns_past_the_router_limit_are_refused_at_once(cluster, sims, router, monkeypatch):
+    """Each turn holds a thread and its body until its instance answers: past MAX_TURNS at
+    once the router answers 503 instead of taking more (here the limit is 0)."""
+    import http.client
+
+    import tensorcast.router.server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_TURNS", 0)
+    _, addr = router(policy="round-robin", instances=("sim-b",))
+    conn = http.client.HTTPConnection(*addr.split(":"), timeout=30)
+    conn.request("POST", "/generate", json.dumps({"input_ids": [1, 2]}))
+    response = conn.getresponse()
+    reply = json.loads(response.read())
+    assert response.status == 503 and "turns at once" in reply["message"]
+
+
+def test_a_stopping_router_removes_only_its_own_record(tmp_path):
+    """Router A on :3011, then B on :30114 (the record names B): A stopping kept a record
+    holding its address as a substring, and deleted B's."""
+    from tensorcast.cli.router import _names
+
+    record = tmp_path / "router.json"
+    record.write_text(json.dumps({"addr": "127.0.0.1:30114", "pid": 2, "policy": "rebalance"}))
+    assert not _names(record, {"addr": "127.0.0.1:3011", "pid": 1})
+    assert _names(record, {"addr": "127.0.0.1:30114", "pid": 2})
+    record.write_text("{not json")
+    assert not _names(record, {"addr": "127.0.0.1:30114", "pid": 2})
+
+
+def test_a_session_begun_again_never_reuses_an_earlier_ones_decision_key(monkeypatch):
+    """Decision keys name the session's history (migrations, tokens): a session forgotten
+    (idle) and begun again under the same id could reach the same history, and its move
+    would replay the earlier move's recorded "ok" (the store keeps plan results a day)
+    without moving anything. Each session the router begins has a serial in its keys."""
+    from tensorcast.types import InstanceInfo
+
+    class Signals:
+        def list_instances(self):
+            return [
+                InstanceInfo("a", "w", "sim", "127.0.0.1:1", running=9),
+                InstanceInfo("b", "w", "sim", "127.0.0.1:2"),
+            ]
+
+    class Runtime:
+        def signals(self):
+            return Signals()
+
+    r = Router(Runtime(), RouterConfig(params=RebalanceParams(theta_abs=2.0, theta_rel=1.5)))  # type: ignore[arg-type]
+    moves: list[str] = []
+
+    def migrate(session, source, target, key):
+        moves.append(key)
+        with r._cv:
+            r._sessions[session].migrating = False
+            r._migrating -= 1
+
+    monkeypatch.setattr(r, "_migrate", migrate)
+    r.discover()
+    for incarnation in (1, 2):
+        assert r.acquire("s", list(range(64)))[0] == "a"
+        r.release("s", "a", 64)
+        record = r.tick_once()
+        wait_until(lambda n=incarnation: len(moves) == n, 10)
+        assert record["idempotency_key"].startswith(f"router-{r.router_id}/{incarnation}/s/")
+        assert r.forget_idle_sessions(now=time.monotonic() + 10**6) == 1
+        r._loads = {}  # as a fresh router's: the next placement is by occupancy again
+    assert moves[0] != moves[1]

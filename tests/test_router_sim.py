@@ -4,6 +4,7 @@ and `tc instance start --engine sim` instances migrated with `tc migrate` on a r
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import subprocess
@@ -359,6 +360,14 @@ def test_bad_requests_and_config():
         e.submit([1, 2, 10**9], 4)
     with pytest.raises(InvalidArgument):
         e.submit([1, 2], 0)
+    # Past the context: refused (one huge prompt's prefill held every other request).
+    small = SimEngine(dataclasses.replace(FAST, max_context_tokens=64))
+    try:
+        with pytest.raises(InvalidArgument, match="context of 64 tokens"):
+            small.submit([1] * 60, 5)
+        assert small.submit([1] * 60, 4).rid
+    finally:
+        small.close()
 
 
 def test_tokenizer_round_trips_its_own_words():

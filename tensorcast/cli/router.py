@@ -135,12 +135,26 @@ def start(
     if record.parent.is_dir():  # `tc router state` and `tc top` find it there
         announce(record, False, info)
     logging.getLogger("tensorcast.router").info("router (%s) on %s", policy, http.addr)
-    stop.wait()
+    while not stop.wait(0.5):  # see worker/server.py: a plain wait() may miss SIGTERM
+        pass
     http.close()
     router.close()
     rt.close()
-    if record.exists() and record.read_text().find(http.addr) >= 0:
+    if _names(record, info):  # not another router's record, written since
         record.unlink()
+
+
+def _names(record: Path, info: dict) -> bool:
+    import json
+
+    try:
+        recorded = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and (recorded.get("addr"), recorded.get("pid")) == (
+        info["addr"],
+        info["pid"],
+    )
 
 
 def _record_path(state_dir: Path | None) -> Path:

@@ -157,7 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(max(length, 0))
         try:
             body = json.loads(raw) if raw else {}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # deep nesting: RecursionError
             raise InvalidArgument(f"request body is not valid JSON ({exc})") from None
         if not isinstance(body, dict):
             raise InvalidArgument("request body must be a JSON object")

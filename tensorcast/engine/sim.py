@@ -120,9 +120,18 @@ class SimConfig:
     max_prefill_tokens: int = 8192
     time_scale: float = 1.0
     vocab: int = 32000
+    # A prompt plus its new tokens past this is refused (SGLang's context_length): one huge
+    # prompt's prefill would hold every other request of the instance for its whole length.
+    max_context_tokens: int = 65536
 
     def __post_init__(self) -> None:
-        for name in ("page_tokens", "kv_bytes_per_token", "cache_tokens", "max_running"):
+        for name in (
+            "page_tokens",
+            "kv_bytes_per_token",
+            "cache_tokens",
+            "max_running",
+            "max_context_tokens",
+        ):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise InvalidArgument(f"sim {name} must be an int >= 1, not {value!r}")
@@ -495,6 +504,11 @@ class SimEngine(InstanceAdaptor):
         if not _is_int(max_new_tokens) or not 1 <= max_new_tokens <= 1 << 16:
             raise InvalidArgument(
                 f"max_new_tokens must be an int in [1, 65536], not {max_new_tokens!r}"
+            )
+        if len(tokens) + max_new_tokens > c.max_context_tokens:
+            raise InvalidArgument(
+                f"{len(tokens)} prompt tokens + {max_new_tokens} new ones are over this "
+                f"instance's context of {c.max_context_tokens} tokens"
             )
         if self._closed.is_set():
             raise Unavailable("the engine is stopping")

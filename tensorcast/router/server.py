@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tensorcast.router")
 
 POLICIES = ("rebalance", "cache-aware", "load-aware", "round-robin")
-MAX_BODY_BYTES = 64 << 20
+MAX_BODY_BYTES = 16 << 20  # as the engines take (a body is parsed and sent on: ~25x in memory)
+MAX_TURNS = 512  # turns served at once; past it, 503 (each holds a thread and its body)
 MIGRATIONS_KEPT = 100
 MAX_SESSIONS = 100_000  # past it, the longest idle sessions are forgotten first
 CLIENT_TIMEOUT_S = 120.0  # a client silent this long mid-request loses its connection
@@ -58,6 +59,9 @@ CLIENT_TIMEOUT_S = 120.0  # a client silent this long mid-request loses its conn
 # close does not reset it before the client has sent it all and read the reply.
 LINGER_S = 2.0
 LINGER_BYTES = 1 << 20
+CONNECT_TIMEOUT_S = 3.0  # to an instance (its answer may take request_timeout_s)
+SUSPECT_S = 10.0  # an instance that refused a connection gets no turn nor move this long
+OCCUPANCY_REFRESH_S = 0.5  # sessions per instance are recounted at most this often
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,9 @@ class _Session:
     # Its last migration failed (no KV on the source, a full target, ...): not a candidate
     # until its next turn, so one such session cannot win every tick and block the others.
     left_out: bool = False
+    # Which of the router's sessions it is: in its decisions' keys, so a session forgotten
+    # and begun again under the same id never replays a recorded move of the earlier one.
+    serial: int = 0
 
 
 class Router:
@@ -127,7 +134,12 @@ class Router:
         self._loads: dict[str, float] = {}  # Algorithm 1's EWMA state
         self._last_tick: dict[str, Any] = {}
         self._migrations: deque[dict] = deque(maxlen=MIGRATIONS_KEPT)
+        self._migrations_ok = 0  # sessions moved, and their bytes, since the start
+        self._migrated_bytes = 0
         self._migrating = 0
+        self._sessions_begun = 0
+        self._suspect: dict[str, float] = {}  # instance -> monotonic time it is trusted again
+        self._occupancy_cache: tuple[float, dict[str, int]] = (float("-inf"), {})
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
         self.errors = 0
@@ -181,8 +193,12 @@ class Router:
 
     def _discover_loop(self) -> None:
         while not self._closed.wait(self.config.discover_s):
-            self.discover()
-            self.forget_idle_sessions()
+            try:
+                self.discover()
+                self.forget_idle_sessions()
+            except Exception:  # the loop must outlive any one failure
+                self.errors += 1
+                log.exception("instance discovery failed")
 
     def forget_idle_sessions(self, now: float | None = None) -> int:
         """Drop sessions idle for `session_idle_s` (no turn in flight, not migrating), and the
@@ -201,6 +217,8 @@ class Router:
                 old.update(sid for _, sid in sorted(idle)[: len(old) + over])
             for sid in old:
                 del self._sessions[sid]
+            if old:
+                self._occupancy_cache = (float("-inf"), {})  # recount at the next placement
             return len(old)
 
     # -- routing ---------------------------------------------------------------------------
@@ -224,15 +242,18 @@ class Router:
                     self._cv.wait(left)
                 finally:
                     self.waiting_turns -= 1
-            if not self._endpoints:
+            instances = self._usable()
+            if not instances:
                 raise errors.Unavailable("no live instance with an HTTP endpoint to route to")
-            instances = list(self._endpoints)
             loads = self._router_loads()
             sticky = c.policy in ("rebalance", "cache-aware")
-            if sticky and state is not None and state.owner in self._endpoints:
+            if sticky and state is not None and state.owner in instances:
                 target = state.owner
             elif c.policy == "rebalance":  # a new session (or one whose owner is gone)
-                target = baselines.least_busy(instances, loads, self._occupancy())
+                # By the load the ticks see (else a new session lands on the instance they
+                # are about to move sessions off), or this router's own turns if more.
+                placing = {i: max(self._loads.get(i, 0.0), loads.get(i, 0.0)) for i in instances}
+                target = baselines.least_busy(instances, placing, self._occupancy())
             elif c.policy == "round-robin":
                 target = baselines.round_robin(instances, self._last_rr)
                 self._last_rr = target
@@ -249,7 +270,9 @@ class Router:
                     c.balance_rel,
                 )
             if state is None:
-                state = self._sessions[session] = _Session(owner=target)
+                self._sessions_begun += 1
+                state = self._sessions[session] = _Session(target, serial=self._sessions_begun)
+                self._occupancy_cache[1][target] = self._occupancy_cache[1].get(target, 0) + 1
             state.owner = target if sticky or state.inflight == 0 else state.owner
             state.inflight += 1
             state.left_out = False
@@ -261,15 +284,35 @@ class Router:
                 self._index.insert(target, keys)
             return target, self._endpoints[target]
 
+    def _usable(self) -> list[str]:
+        """Live instances, less those that refused a connection lately (all, if every one
+        did: a turn may still find one back)."""
+        now = time.monotonic()
+        live = list(self._endpoints)
+        trusted = [i for i in live if self._suspect.get(i, 0.0) <= now]
+        return trusted or live
+
+    def suspect(self, instance: str) -> None:
+        """`instance` refused a connection: no turns nor moves for SUSPECT_S (discovery drops
+        it once the store sees it dead; until then it would take every turn it is given)."""
+        with self._cv:
+            self._suspect[instance] = time.monotonic() + SUSPECT_S
+
     def _occupancy(self) -> dict[str, int]:
         """Active sessions per instance: a turn in flight, migrating, or a turn within the
-        last horizon_s (Algorithm 1's H: older ones score as good as gone)."""
+        last horizon_s (Algorithm 1's H: older ones score as good as gone). Recounted at most
+        every OCCUPANCY_REFRESH_S (a count walks every session, under the router's lock);
+        placements in between are added as they happen."""
         now = time.monotonic()
+        counted_at, counts = self._occupancy_cache
+        if now - counted_at < OCCUPANCY_REFRESH_S and counts.keys() == self._endpoints.keys():
+            return counts
         horizon = self.config.params.horizon_s
         counts = dict.fromkeys(self._endpoints, 0)
         for s in self._sessions.values():
             if s.owner in counts and (s.inflight or s.migrating or now - s.last_active < horizon):
                 counts[s.owner] += 1
+        self._occupancy_cache = (now, counts)
         return counts
 
     def release(self, session: str, instance: str, total_tokens: int | None) -> None:
@@ -309,7 +352,9 @@ class Router:
                 for sid, s in self._sessions.items()
                 if s.owner in self._endpoints and not s.left_out
             ]
-            result = tick(self._loads, self._samples(), requests, now, self.config.params)
+            usable = self._usable()
+            samples = [x for x in self._samples() if x.instance_id in usable]
+            result = tick(self._loads, samples, requests, now, self.config.params)
             self._loads = result.loads
             record = result.to_json()
             record.pop("scores", None)
@@ -323,7 +368,7 @@ class Router:
                 state.migrating = True
                 self._migrating += 1
                 key = decision_key(
-                    f"router-{self.router_id}",
+                    f"router-{self.router_id}/{state.serial}",
                     decision.req_id,
                     decision.source,
                     decision.target,
@@ -394,10 +439,14 @@ class Router:
             log.exception("migration of %s failed", session)
         entry["duration_s"] = round(time.monotonic() - started, 4)
         with self._cv:
+            if moved:
+                self._migrations_ok += 1
+                self._migrated_bytes += int(entry.get("bytes", 0))
             state = self._sessions.get(session)
             if state is not None:
                 if moved:
                     state.owner = target
+                    self._occupancy_cache = (float("-inf"), {})
                     state.migrations += 1
                     if state.keys:  # (an empty list would forget the whole source)
                         self._index.forget(source, state.keys)
@@ -471,8 +520,8 @@ class Router:
                 "instances": instances,
                 "sessions": len(self._sessions),
                 "migrations": migrations,
-                "migrations_ok": sum(m.get("status") == "ok" for m in migrations),
-                "migrated_bytes": sum(int(m.get("bytes", 0)) for m in migrations),
+                "migrations_ok": self._migrations_ok,  # since the start (the list: the last)
+                "migrated_bytes": self._migrated_bytes,
                 "last_tick": dict(self._last_tick),
                 "errors": self.errors,
                 "waiting_turns": self.waiting_turns,
@@ -486,12 +535,17 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024
     router: Router
+    turns: threading.BoundedSemaphore
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away mid-reply is not an error worth printing (never print)."""
         logging.getLogger("tensorcast.http").debug(
             "request from %s failed", client_address, exc_info=True
         )
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed (it left, or stopped reading): nothing more to send."""
 
 
 _STATUS = {
@@ -527,6 +581,9 @@ class _Handler(BaseHTTPRequestHandler):
             if reply is None:
                 return
             status = 200
+        except _ClientGone:
+            self.close_connection = True
+            return
         except errors.TensorcastError as exc:
             status = _STATUS.get(errors.public_class(exc), 500)
             reply = {"error": errors.public_name(exc), "message": str(exc)}
@@ -572,15 +629,25 @@ class _Handler(BaseHTTPRequestHandler):
         content_type: str = "application/json",
         instance: str = "",
     ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        if instance:
-            self.send_header("X-TC-Instance", instance)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            if instance:
+                self.send_header("X-TC-Instance", instance)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError as e:
+            raise _ClientGone(e) from None
+
+    def _to_client(self, data: bytes) -> None:
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError as e:
+            raise _ClientGone(e) from None
 
     def _route(self, method: str) -> Any:
         router = self.server.router
@@ -593,7 +660,12 @@ class _Handler(BaseHTTPRequestHandler):
             state = router.state()
             return [{"dp_rank": 0, "num_reqs": sum(i["inflight"] for i in state["instances"])}]
         if method == "POST" and path == "/generate":
-            return self._generate()
+            if not self.server.turns.acquire(blocking=False):
+                raise errors.Unavailable(f"the router serves {MAX_TURNS} turns at once: retry")
+            try:
+                return self._generate()
+            finally:
+                self.server.turns.release()
         raise errors.NotFound(
             f"no route {method} {path}: use POST /generate, GET /health, GET /router/state"
         )
@@ -612,8 +684,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._body_read = True
         try:
             body = json.loads(raw)
-        except ValueError as exc:
-            raise errors.InvalidArgument(f"request body is not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise errors.InvalidArgument(f"request body is not valid JSON ({exc!r})") from None
         if not isinstance(body, dict):
             raise errors.InvalidArgument("request body must be a JSON object")
         return body
@@ -630,9 +702,10 @@ class _Handler(BaseHTTPRequestHandler):
         if text is not None and not isinstance(text, str):
             raise errors.InvalidArgument("'text' must be a string (batches are not supported)")
         if ids is not None and (
-            not isinstance(ids, list) or not all(isinstance(t, int) for t in ids)
+            not isinstance(ids, list)
+            or not all(type(t) is int and 0 <= t < 1 << 32 for t in ids)  # not bool
         ):
-            raise errors.InvalidArgument("'input_ids' must be a list of ints")
+            raise errors.InvalidArgument("'input_ids' must be a list of ints in [0, 2**32)")
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             raise errors.InvalidArgument("'rid' must be a string")
@@ -644,50 +717,78 @@ class _Handler(BaseHTTPRequestHandler):
             raise errors.InvalidArgument("'session_params' must be an object")
         body["rid"] = rid
         body["session_params"] = dict(params, id=session)
-        instance, endpoint = router.acquire(session, tokens)
-        total: int | None = None
-        try:
-            host, _, port = endpoint.rpartition(":")
-            conn = http.client.HTTPConnection(
-                host, int(port), timeout=router.config.request_timeout_s
-            )
+        payload = json.dumps(body).encode()
+        prompt_tokens, stream = len(tokens), bool(body.get("stream"))
+        for attempt in (1, 2):  # once more elsewhere if the instance refused the connection
+            instance, endpoint = router.acquire(session, tokens)
+            total: int | None = None
             try:
-                conn.request(
-                    "POST", "/generate", json.dumps(body), {"Content-Type": "application/json"}
-                )
-                upstream = conn.getresponse()
-                if body.get("stream") and upstream.status == 200:
-                    total = self._relay_stream(upstream, len(tokens), instance)
-                    return None
-                data = upstream.read()
-                if upstream.status == 200:
-                    total = len(tokens) + _completion_tokens(data)
-                content_type = upstream.getheader("Content-Type", "text/plain")
-                self._send(upstream.status, data, content_type, instance)
+                conn = self._connect(instance, endpoint)
+            except OSError as e:
+                router.release(session, instance, None)
+                router.suspect(instance)
+                if attempt == 2:
+                    raise errors.Unavailable(f"instance {instance} at {endpoint}: {e}") from None
+                continue
+            del body, tokens  # the request travels as `payload` from here
+            try:
+                total = self._forward(conn, payload, prompt_tokens, stream, instance, endpoint)
                 return None
             finally:
                 conn.close()
+                router.release(session, instance, total)
+        raise AssertionError("unreachable")
+
+    def _connect(self, instance: str, endpoint: str) -> http.client.HTTPConnection:
+        host, _, port = endpoint.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=CONNECT_TIMEOUT_S)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(self.server.router.config.request_timeout_s)
+        return conn
+
+    def _forward(
+        self,
+        conn: http.client.HTTPConnection,
+        payload: bytes,
+        prompt_tokens: int,
+        stream: bool,
+        instance: str,
+        endpoint: str,
+    ) -> int | None:
+        """Send the turn and relay the answer; the session's tokens after it (None unless
+        the instance answered 200)."""
+        try:
+            conn.request("POST", "/generate", payload, {"Content-Type": "application/json"})
+            upstream = conn.getresponse()
+            if stream and upstream.status == 200:
+                return self._relay_stream(upstream, prompt_tokens, instance)
+            data = upstream.read()
         except http.client.HTTPException as e:  # a malformed or cut-off answer
             raise errors.Unavailable(f"instance {instance} at {endpoint} failed: {e!r}") from None
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"instance {instance} at {endpoint} did not answer within "
-                f"{router.config.request_timeout_s:g}s"
+                f"{self.server.router.config.request_timeout_s:g}s"
             ) from None
         except OSError as e:
             raise errors.Unavailable(f"instance {instance} at {endpoint} failed: {e}") from None
-        finally:
-            router.release(session, instance, total)
+        content_type = upstream.getheader("Content-Type", "text/plain")
+        self._send(upstream.status, data, content_type, instance)
+        return prompt_tokens + _completion_tokens(data) if upstream.status == 200 else None
 
     def _relay_stream(
         self, upstream: http.client.HTTPResponse, prompt_tokens: int, instance: str
     ) -> int:
-        self.send_response(200)
-        self.send_header("X-TC-Instance", instance)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        try:
+            self.send_response(200)
+            self.send_header("X-TC-Instance", instance)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+        except OSError as e:
+            raise _ClientGone(e) from None
         self._streaming = True
         total = prompt_tokens
         event = b""
@@ -699,12 +800,11 @@ class _Handler(BaseHTTPRequestHandler):
             if line in (b"\n", b"\r\n"):
                 if event.startswith(b"data: {"):
                     total = prompt_tokens + _completion_tokens(event[6:])
-                self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
-                self.wfile.flush()
+                self._to_client(f"{len(event):x}\r\n".encode() + event + b"\r\n")
                 event = b""
         if event:  # the instance closed mid-event: not a complete stream
             raise errors.Unavailable(f"instance {instance} ended its stream mid-event")
-        self.wfile.write(b"0\r\n\r\n")
+        self._to_client(b"0\r\n\r\n")
         return total
 
 
@@ -721,6 +821,7 @@ class RouterHTTPServer:
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
         self._httpd = _Server((host, port), _Handler)
         self._httpd.router = router
+        self._httpd.turns = threading.BoundedSemaphore(MAX_TURNS)
         self._thread: threading.Thread | None = None
 
     @property

@@ -9,10 +9,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import (
     DataTable,
@@ -83,7 +85,7 @@ class ConfirmWorker(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Label(self.prompt)
+            yield Label(escape(self.prompt))
             yield Input(value=self.default, placeholder="worker name", id="worker")
             yield Label("Enter to confirm, Escape to cancel", classes="hint")
 
@@ -108,14 +110,18 @@ class ArtifactDetail(ModalScreen[None]):
             for r in a.replicas
         )
         with Vertical(id="dialog"):
-            yield Label(f"[b]{a.art_id}[/b]  {format_size(a.size_bytes)}, owner {a.owner}")
+            # Names are anyone's text: never markup (a "[/]" in one closed nothing and
+            # crashed tc top).
+            yield Label(
+                f"[b]{escape(a.art_id)}[/b]  {format_size(a.size_bytes)}, owner {escape(a.owner)}"
+            )
             yield Label(f"content {a.content_id}")
-            yield Label(f"replicas: {replicas or 'none live'}")
+            yield Label(f"replicas: {escape(replicas or 'none live')}")
             table: DataTable = DataTable(id="tensors", cursor_type="row")
             table.add_columns("TENSOR", "DTYPE", "SHAPE", "BYTES")
             for t in a.tensors[:500]:
                 table.add_row(
-                    t.name, t.dtype, "x".join(map(str, t.shape)) or "()", str(t.size_bytes)
+                    Text(t.name), t.dtype, "x".join(map(str, t.shape)) or "()", str(t.size_bytes)
                 )
             yield table
 
@@ -211,7 +217,7 @@ class TopApp(App[None]):
         banner = self.banner
         if snapshot.error:
             banner.update(
-                f"cluster unreachable: {snapshot.error} (retrying every "
+                f"cluster unreachable: {escape(snapshot.error)} (retrying every "
                 f"{self.interval_s:g}s; showing the last data)"
             )
             banner.add_class("visible")
@@ -276,10 +282,10 @@ class TopApp(App[None]):
             self._fill("migrations", self._migration_rows())
         alive = sum(w.alive for w in s.workers)
         self.status.update(
-            f"store {s.store_addr} | {alive}/{len(s.workers)} workers alive | "
+            f"store {escape(s.store_addr)} | {alive}/{len(s.workers)} workers alive | "
             f"{len(s.artifacts)} artifacts | {len(s.instances)} instances | "
             + (_router_status(s.router) if self.show_router else "")
-            + f"filter: {self.filter_text or '-'}"
+            + f"filter: {escape(self.filter_text or '-')}"
         )
 
     def _instance_rows(self, names: dict[str, str]) -> list[tuple[str, list[str]]]:
@@ -384,7 +390,7 @@ class TopApp(App[None]):
         selected = self._selected_key(table)
         table.clear()
         for key, cells in rows:
-            table.add_row(*cells, key=key)
+            table.add_row(*(Text(c) for c in cells), key=key)  # text, never markup
         if selected is not None:
             for i, (key, _) in enumerate(rows):
                 if key == selected:
@@ -457,9 +463,9 @@ class TopApp(App[None]):
         try:
             getattr(self.source, operation)(art_id, worker)
         except Exception as e:
-            self.call_from_thread(self.notify, f"{operation} failed: {e}", severity="error")
+            self.call_from_thread(self.notify, escape(f"{operation} failed: {e}"), severity="error")
             return
-        self.call_from_thread(self.notify, f"{operation} {art_id} on {worker}: done")
+        self.call_from_thread(self.notify, escape(f"{operation} {art_id} on {worker}: done"))
         self.call_from_thread(self.action_refresh)
 
 
@@ -480,7 +486,7 @@ def _router_status(router: dict | None) -> str:
     if not router:
         return "router: - | "
     if "error" in router:
-        return f"router unreachable: {router['error']} | "
+        return f"router unreachable: {escape(str(router['error']))} | "
     return (
         f"router {router.get('policy')}: {router.get('sessions', 0)} sessions, "
         f"{router.get('migrations_ok', 0)} migrations, "
