@@ -369,6 +369,90 @@ def test_etcd_out_of_space_is_resource_exhausted_and_reads_still_work(tmp_path):
         proc.wait(10)
 
 
+def test_etcd_a_put_racing_the_delete_of_the_same_content_keeps_its_replica(etcd_endpoint):
+    """Two store processes: one deletes the last name of a content while the other puts the
+    same bytes under a new name between the delete's commit and its dropping of the replica
+    rows. The new artifact keeps its replica (it had none until the worker re-reported all
+    it holds, counted as lost meanwhile)."""
+    prefix = f"/contract-{next(_prefixes)}/"
+    first, _ = open_backend(None, [etcd_endpoint], TTL, 4, GRACE, etcd_prefix=prefix)
+    second, _ = open_backend(None, [etcd_endpoint], TTL, 4, GRACE, etcd_prefix=prefix)
+    try:
+        _worker(first, "w1", 100.0)
+        replica = NewReplica("c1", 68, _tensors("race"))
+        first.put_artifacts("w1", [replica], [NewArtifact("x", "c1", "system")], 100.0)
+        drop = first._drop_replicas
+
+        def put_meanwhile(content_id: str) -> None:
+            second.put_artifacts("w1", [replica], [NewArtifact("y", "c1", "system")], 100.5)
+            drop(content_id)
+
+        first._drop_replicas = put_meanwhile  # type: ignore[method-assign]
+        first.delete_artifact("x", 101.0)
+        assert [r.worker_id for r in first.get_artifact("y", 101.0).replicas] == ["w1"]
+    finally:
+        first.close()
+        second.close()
+
+
+def _many_tensors(tag: str, n: int) -> tuple[TensorMeta, ...]:
+    return tuple(
+        TensorMeta(
+            f"model.layers.{i // 256}.mlp.experts.{i % 256}.down_proj.weight.{tag}",
+            "BF16",
+            (2048, 7168),
+            2048 * 7168 * 2,
+            i * 2048 * 7168 * 2,
+            f"{i:064x}",
+        )
+        for i in range(n)
+    )
+
+
+def test_etcd_stores_a_content_of_many_tensors(etcd_endpoint):
+    """A model directory is one content, its layout one record: 12,000 tensors (an MoE
+    checkpoint's experts; ~3 MiB of layout) passed etcd's default request limit (1.5 MiB:
+    a retryable Unavailable). The members `tc up --ha` starts take 32 MiB."""
+    store = _etcd_store(etcd_endpoint)
+    try:
+        _worker(store, "w1", 100.0)
+        moe = NewReplica("moe", 12_000 * 2048 * 7168 * 2, _many_tensors("moe", 12_000))
+        store.put_artifacts("w1", [moe], [NewArtifact("moe@v1", "moe", "system")], 100.0)
+        assert store.get_artifact("moe@v1", 100.0).tensors == moe.tensors
+    finally:
+        store.close()
+
+
+def test_etcd_batches_go_in_transactions_bounded_in_bytes(tmp_path):
+    """Against an etcd with its default request limit (1.5 MiB): three contents of ~0.8 MiB
+    of layout each in one batch are stored (in transactions bounded in bytes as well as in
+    operations: together they were one request etcd refused), and one content over the
+    limit is InvalidArgument saying so, nothing stored."""
+    from tensorcast.sdk import local_etcd
+
+    (member,) = local_etcd.plan_members(1, "127.0.0.1", tmp_path)
+    log = tmp_path / "etcd.log"
+    args = ["--max-request-bytes", str(3 << 19)]  # etcd's default (the last flag counts)
+    proc = local_etcd.spawn(member, [member], local_etcd.cluster_token(), log, tmp_path, args)
+    try:
+        local_etcd.wait_healthy([member], [proc], log)
+        store = _etcd_store(member.client_addr)
+        _worker(store, "w1", 100.0)
+        parts = [NewReplica(f"p{k}", 1, _many_tensors(f"p{k}", 3_000)) for k in range(3)]
+        names = [NewArtifact(f"p{k}@v1", f"p{k}", "system") for k in range(3)]
+        store.put_artifacts("w1", parts, names, 100.0)
+        assert [len(store.get_artifact(f"p{k}@v1", 100.0).tensors) for k in range(3)] == [3000] * 3
+        big = NewReplica("big", 1, _many_tensors("big", 12_000))
+        with pytest.raises(InvalidArgument, match="max-request-bytes"):
+            store.put_artifacts("w1", [big], [NewArtifact("big@v1", "big", "system")], 100.0)
+        with pytest.raises(NotFound):
+            store.get_artifact("big@v1", 100.0)
+        store.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_etcd_a_full_inventory_removes_rows_of_contents_gone_meanwhile(etcd_endpoint):
     """etcd has no one writer: a replica row can land after its content's last artifact went
     and its drop notes were written (AddReplica racing the delete). Deltas never mention it;
@@ -1107,3 +1191,46 @@ def test_listings_can_stop_at_a_delimiter(records):
     assert ([a.art_id for a in page], after) == (["m@v1"], "m@v1")
     page, _ = store.list_artifact_page("m@", after, 1, 100.0, delimiter="/")
     assert [a.art_id for a in page] == ["m@v2"]
+
+
+def test_sqlite_a_file_that_is_no_store_database_is_refused_clearly(tmp_path):
+    """A garbage --db: a clear error naming the file (the CLI printed a raw traceback)."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "store.db"
+    bad.write_bytes(b"not a database at all " * 1000)
+    with pytest.raises(InvalidArgument, match="not a Global Store database"):
+        open_backend(bad, [], TTL, 4, GRACE)
+    args = ["store", "start", "--db", str(bad), "--listen", "127.0.0.1:0", "--token", "t"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorcast.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == InvalidArgument.exit_code, proc.stderr
+    assert "not a Global Store database" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sqlite_damaged_pages_are_an_integrity_error_not_a_crash(tmp_path):
+    """A store file damaged in the middle opens (its schema page is whole) but its reads
+    hit the damage: IntegrityError saying what to do, never sqlite's raw DatabaseError."""
+    from tensorcast.store.sqlite_store import SqliteStore
+
+    path = tmp_path / "store.db"
+    store = SqliteStore(path, TTL, GRACE)
+    _worker(store, "w1", 100.0)
+    _batch(store, "w1", "many", 2000, 100.0)
+    store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # every page between a quarter and three quarters in
+        f.seek(size // 4)
+        f.write(b"\xa5" * (size // 2))
+    with pytest.raises((InvalidArgument, IntegrityError), match="damaged"):
+        store = SqliteStore(path, TTL, GRACE)
+        try:
+            store.list_artifacts("many/", 100.0)
+        finally:
+            store.close()

@@ -96,6 +96,9 @@ def spawn(
         token,
         "--initial-cluster-state",
         "new",
+        # A content's layout is one record: a model directory of 100,000+ tensors is ~25 MiB.
+        "--max-request-bytes",
+        str(32 << 20),
         *extra_args,
     ]
     with open(log, "ab") as out:

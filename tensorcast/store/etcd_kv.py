@@ -55,7 +55,7 @@ def _raise_final(detail: str) -> None:
             "the etcd cluster is out of space (its --quota-backend-bytes): compact and "
             "defragment it (etcdctl compact, etcdctl defrag), then etcdctl alarm disarm"
         )
-    if "request is too large" in detail:
+    if "request is too large" in detail or "received message larger than max" in detail:
         raise InvalidArgument(
             "a Global Store record is larger than etcd takes in one request "
             "(its --max-request-bytes): " + detail[:200]

@@ -138,15 +138,24 @@ def _replicas_of(rows: dict[str, Item], live: set[str]) -> tuple[ReplicaInfo, ..
 # Upper bounds of what one member adds to a transaction (comparisons + operations): a replica
 # (its two rows, its content's record and unref marker, a comparison on the content), an
 # artifact (its record, expiry and batch-member keys, a comparison; its content as above).
+# etcd refuses requests over --max-request-bytes (1.5 MiB by default; `tc up --ha` starts its
+# members with 32 MiB, for contents of many tensors: a layout is one record).
+MAX_TXN_BYTES = 1 << 20
 REPLICA_COST = 5
 ARTIFACT_COST = 4
 CONTENT_COST = 3
 
 
+def _layout_bytes(replica: NewReplica) -> int:
+    """About what a content's records weigh in a transaction (its layout is stored twice)."""
+    return 2 * sum(96 + len(t.name) + len(t.hash_hex) + 8 * len(t.shape) for t in replica.tensors)
+
+
 def _plan_chunks(
     replicas: list[NewReplica], artifacts: list[tuple[int, NewArtifact]]
 ) -> list[tuple[list[NewReplica], list[tuple[int, NewArtifact]]]]:
-    """Split a batch into transactions of at most MAX_TXN_OPS: each replica goes with the first
+    """Split a batch into transactions of at most MAX_TXN_OPS and about MAX_TXN_BYTES of
+    layouts (a content bigger than that goes alone): each replica goes with the first
     artifact naming its content (so a content is named in the transaction that records it)."""
     pending = {r.content_id: r for r in replicas}
     chunks: list[tuple[list[NewReplica], list[tuple[int, NewArtifact]]]] = []
@@ -154,17 +163,20 @@ def _plan_chunks(
     arts: list[tuple[int, NewArtifact]] = []
     contents: set[str] = set()
     cost = 2  # the worker's existence check, the batch's pending check
+    size = 0
 
     def add(rep: NewReplica | None, art: tuple[int, NewArtifact] | None) -> None:
-        nonlocal reps, arts, contents, cost
+        nonlocal reps, arts, contents, cost, size
         content_id = rep.content_id if rep is not None else art[1].content_id  # type: ignore[index]
         extra = (REPLICA_COST if rep else 0) + (ARTIFACT_COST if art else 0)
         extra += 0 if content_id in contents else CONTENT_COST
-        if cost + extra > MAX_TXN_OPS and (reps or arts):
+        extra_bytes = _layout_bytes(rep) if rep is not None else 0
+        if (cost + extra > MAX_TXN_OPS or size + extra_bytes > MAX_TXN_BYTES) and (reps or arts):
             chunks.append((reps, arts))
-            reps, arts, contents, cost = [], [], set(), 2
+            reps, arts, contents, cost, size = [], [], set(), 2, 0
             extra = (REPLICA_COST if rep else 0) + (ARTIFACT_COST if art else 0) + CONTENT_COST
         cost += extra
+        size += extra_bytes
         contents.add(content_id)
         if rep is not None:
             reps.append(rep)
@@ -1032,13 +1044,20 @@ class EtcdStore:
 
     def _drop_replicas(self, content_id: str) -> None:
         """A dropped content's replica rows (a replica added meanwhile is swept later), noted
-        for their workers' next heartbeats."""
+        for their workers' next heartbeats; only while the content is still gone: a put of
+        the same bytes may have made it again since (another store process), and the rows,
+        its new replica's among them, are then that content's."""
         ops = []
         for key in self.kv.range(f"r/{content_id}/", keys_only=True):
             _, _, worker_id, tier = key.split("/")
             ops += [self.kv.delete(k) for k in _replica_keys(content_id, worker_id, tier)]
             ops.append(self.kv.put(f"d/{worker_id}/{content_id}", 1))
-        self.kv.apply(ops)
+        gone = self.kv.unchanged(f"c/{content_id}", None)
+        for start in range(0, len(ops), MAX_TXN_OPS - 1):
+            try:
+                self.kv.txn([gone], ops[start : start + MAX_TXN_OPS - 1])
+            except Conflict:
+                return
 
     def _expire_one(self, art_id: str, now: float) -> None:
         self._remove_artifact(

@@ -106,10 +106,17 @@ class SqliteStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10.0)
         self.db = sqlite_utils.Database(conn)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.schema_version = migrate(self.db)
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.schema_version = migrate(self.db)
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise InvalidArgument(
+                f"{self.path} is not a Global Store database, or it is damaged ({e}): "
+                "name another --db, or restore this one from a backup"
+            ) from None
         # From here on transactions are explicit (`transaction`, `write`): BEGIN ... COMMIT.
         conn.isolation_level = None
         self.heartbeat_ttl_s = heartbeat_ttl_s
@@ -144,8 +151,10 @@ class SqliteStore:
             self._begin()
             try:
                 yield
-            except BaseException:
+            except BaseException as e:
                 self.db.execute("ROLLBACK")
+                if isinstance(e, sqlite3.DatabaseError):
+                    raise self._typed(e) from None
                 raise
             self._commit(1)
 
@@ -201,7 +210,11 @@ class SqliteStore:
             if self.db.conn.in_transaction:
                 self.db.execute("ROLLBACK")
             failed = (
-                e if isinstance(e, TensorcastError) else Unavailable(f"store write failed: {e}")
+                e
+                if isinstance(e, TensorcastError)
+                else self._typed(e)
+                if isinstance(e, sqlite3.DatabaseError)
+                else Unavailable(f"store write failed: {e}")
             )
             for op in group:
                 if op.error is None:
@@ -209,6 +222,16 @@ class SqliteStore:
         finally:
             for op in group:
                 op.done = True
+
+    def _typed(self, e: sqlite3.DatabaseError) -> TensorcastError:
+        """sqlite's errors as the store's: a busy or unopenable file is Unavailable (retry),
+        a damaged one IntegrityError (no retry helps)."""
+        if isinstance(e, sqlite3.OperationalError):
+            return Unavailable(f"the store's database {self.path}: {e}")
+        return IntegrityError(
+            f"the store's database {self.path} is damaged ({e}): stop the store and restore "
+            "the file from a backup (sqlite3 .recover may save what is left)"
+        )
 
     @contextlib.contextmanager
     def _snapshot(self) -> Iterator[sqlite3.Connection]:
@@ -229,6 +252,8 @@ class SqliteStore:
                 yield conn
             finally:
                 conn.execute("COMMIT")
+        except sqlite3.DatabaseError as e:
+            raise self._typed(e) from None
         finally:
             with self._queue_lock:
                 keep = not self._closed and len(self._idle_readers) < MAX_IDLE_READERS
