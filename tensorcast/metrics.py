@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 Sample = tuple[str, dict[str, str], float]  # name, labels, value
 
+MAX_SCRAPES = 16  # connections served at once; more are closed unanswered
+SCRAPE_TIMEOUT_S = 10.0
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
@@ -41,11 +43,11 @@ class Histogram:
             for bound, count in zip((*self.buckets, float("inf")), series[:-2]):
                 cumulative += count
                 le = "+Inf" if bound == float("inf") else repr(bound)
-                lines.append(
-                    f'{self.name}_bucket{{{label_name}="{label}",le="{le}"}} {_fmt(cumulative)}'
-                )
-            lines.append(f'{self.name}_sum{{{label_name}="{label}"}} {_fmt(series[-2])}')
-            lines.append(f'{self.name}_count{{{label_name}="{label}"}} {_fmt(series[-1])}')
+                labels = _labels({label_name: label, "le": le})
+                lines.append(f"{self.name}_bucket{labels} {_fmt(cumulative)}")
+            labels = _labels({label_name: label})
+            lines.append(f"{self.name}_sum{labels} {_fmt(series[-2])}")
+            lines.append(f"{self.name}_count{labels} {_fmt(series[-1])}")
         return lines
 
 
@@ -69,25 +71,30 @@ def _fmt(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+def _escape(value: str) -> str:
+    """A label value as the text format writes it: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    inner = ",".join(
-        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-        for k, v in sorted(labels.items())
-    )
-    return "{" + inner + "}"
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
 
 
 def render(samples: list[Sample], help_texts: dict[str, str]) -> str:
-    lines = []
-    seen = set()
+    """The text format: each metric's samples together under its HELP and TYPE (the format
+    forbids a metric's lines in separate groups), metrics in order of first appearance."""
+    by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
     for name, labels, value in samples:
-        if name not in seen:
-            seen.add(name)
-            lines.append(f"# HELP {name} {help_texts.get(name, name)}")
-            lines.append(f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}")
-        lines.append(f"{name}{_labels(labels)} {_fmt(value)}")
+        by_name.setdefault(name, []).append((labels, value))
+    lines = []
+    for name, series in by_name.items():
+        lines.append(f"# HELP {name} {help_texts.get(name, name)}")
+        lines.append(f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}")
+        lines += [
+            f"{name}{_labels(dict(sorted(labels.items())))} {_fmt(v)}" for labels, v in series
+        ]
     lines += RPC_LATENCY.render("method")
     return "\n".join(lines) + "\n"
 
@@ -106,20 +113,36 @@ class MetricsServer:
 
         host, _, port = listen.rpartition(":")
 
+        scrapes = threading.BoundedSemaphore(MAX_SCRAPES)
+
         class Handler(BaseHTTPRequestHandler):
+            timeout = SCRAPE_TIMEOUT_S  # a client that stalls lets go of its thread
+
+            def handle(self) -> None:
+                if not scrapes.acquire(blocking=False):  # bounded threads, whoever connects
+                    return
+                try:
+                    super().handle()
+                finally:
+                    scrapes.release()
+
             def do_GET(self) -> None:
-                if self.path == "/metrics":
-                    body = render(collect(), help_texts).encode()
-                    self._reply(200, "text/plain; version=0.0.4", body)
-                elif self.path == "/healthz":
-                    ok, detail = health()
-                    self._reply(
-                        200 if ok else 503,
-                        "application/json",
-                        json.dumps({"ok": ok, **detail}).encode(),
-                    )
-                else:
-                    self._reply(404, "text/plain", b"not found: try /metrics or /healthz\n")
+                try:
+                    if self.path == "/metrics":
+                        body = render(collect(), help_texts).encode()
+                        self._reply(200, "text/plain; version=0.0.4", body)
+                    elif self.path == "/healthz":
+                        ok, detail = health()
+                        self._reply(
+                            200 if ok else 503,
+                            "application/json",
+                            json.dumps({"ok": ok, **detail}).encode(),
+                        )
+                    else:
+                        self._reply(404, "text/plain", b"not found: try /metrics or /healthz\n")
+                except Exception as e:  # a scrape that fails says so (it closed silently)
+                    failure = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    self._reply(503, "application/json", json.dumps(failure).encode())
 
             def _reply(self, code: int, content_type: str, body: bytes) -> None:
                 self.send_response(code)

@@ -1234,3 +1234,49 @@ def test_sqlite_damaged_pages_are_an_integrity_error_not_a_crash(tmp_path):
             store.list_artifacts("many/", 100.0)
         finally:
             store.close()
+
+
+def test_a_put_and_a_register_of_one_id_do_not_mix_and_a_register_again_extends(records):
+    """An existing id with the same content answered any owner as "existed": a put over a
+    lease got an artifact that vanished with the lease, a register over a put a permanent
+    one. Now AlreadyExists naming what it is; a register again of a lease extends it."""
+    store, _ = records
+    _worker(store, "w1", 100.0)
+    store.put_artifacts("w1", [NewReplica("c1", 68, _tensors("own"))], [], 100.0)
+    store.put_artifacts("w1", [], [NewArtifact("sys", "c1", "system")], 100.0)
+    store.put_artifacts("w1", [], [NewArtifact("les", "c1", "lease", ttl_s=5.0)], 100.0)
+    with pytest.raises(AlreadyExists, match="as a system artifact"):
+        store.put_artifacts("w1", [], [NewArtifact("sys", "c1", "lease", ttl_s=60.0)], 101.0)
+    with pytest.raises(AlreadyExists, match="as a lease"):
+        store.put_artifacts("w1", [], [NewArtifact("les", "c1", "system")], 101.0)
+    result = store.put_artifacts("w1", [], [NewArtifact("les", "c1", "lease", ttl_s=60.0)], 101.0)
+    assert result.artifacts[0][1]  # it existed
+    assert store.get_artifact("les", 150.0).expires_at == pytest.approx(161.0)
+    assert store.get_artifact("sys", 150.0).expires_at is None
+
+
+def test_sqlite_a_renewal_is_judged_when_its_write_runs(tmp_path, monkeypatch):
+    """Group commit: a renewal queued behind other writes past its artifact's expiry must not
+    bring it back (readers had seen it gone); expiry is judged when the write runs."""
+    from tensorcast.store import sqlite_store
+
+    store = sqlite_store.SqliteStore(tmp_path / "s.db", TTL, GRACE)
+    _worker(store, "w1", 100.0)
+    store.put_artifacts(
+        "w1",
+        [NewReplica("c1", 68, _tensors("rn"))],
+        [NewArtifact("l", "c1", "lease", ttl_s=1.0)],
+        100.0,
+    )
+
+    class Clock:  # the write runs 1 s after the call arrived
+        calls = iter([0.0, 1.0])
+
+        @staticmethod
+        def monotonic() -> float:
+            return next(Clock.calls)
+
+    monkeypatch.setattr(sqlite_store, "time", Clock)
+    with pytest.raises(NotFound):
+        store.renew_lease("l", 30.0, 100.5)  # arrived before its expiry (101), ran after
+    store.close()

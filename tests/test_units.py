@@ -549,3 +549,51 @@ def test_tc_up_waits_for_new_workers_long_enough_to_prefault_their_pools():
     for workers, mem in ((1, "256GiB"), (4, "64GiB"), (8, "8GiB")):
         prefault_s = workers * parse_size(mem) / measured_rate
         assert start_timeout_s(workers, mem) >= START_TIMEOUT_S + 2 * prefault_s
+
+
+def test_the_disk_tier_sums_files_that_may_go_while_it_looks(tmp_path):
+    """A load back into memory deletes its file, on another thread: one gone between glob and
+    stat raised FileNotFoundError, out of the heartbeat (which then stopped for good)."""
+    from tensorcast.worker.disk_tier import SUFFIX, DiskTier
+
+    tier = DiskTier(tmp_path / "disk")
+    (tier.directory / f"kept{SUFFIX}").write_bytes(b"x" * 10)
+
+    class Listing:  # lists a file that is gone by the time it is looked at
+        def glob(self, pattern: str):
+            return [tier_dir / f"kept{SUFFIX}", tier_dir / f"gone{SUFFIX}"]
+
+    tier_dir = tier.directory
+    tier.directory = Listing()  # type: ignore[assignment]
+    assert tier.used_bytes() == 10
+
+
+def test_a_bug_in_one_heartbeat_does_not_end_the_heartbeats():
+    """Only `stop` ends the heartbeat loop: an exception that is no TensorcastError (a bug, an
+    OSError) is logged and the next beat runs (the thread died, and the store counted the
+    worker dead and all it held lost while the process went on serving)."""
+    import threading
+    import types
+
+    from tensorcast.worker.node import WorkerNode
+
+    stop = threading.Event()
+    beats = []
+
+    def beat() -> None:
+        beats.append(time.monotonic())
+        if len(beats) == 1:
+            raise FileNotFoundError("a file that went")
+        if len(beats) == 3:
+            stop.set()
+
+    node = types.SimpleNamespace(
+        _stop=stop,
+        pages=types.SimpleNamespace(expire=lambda: 0),
+        heartbeat_once=beat,
+        store=types.SimpleNamespace(current_addr="store"),
+    )
+    loop = threading.Thread(target=WorkerNode.heartbeat_loop, args=(node, 0.01, lambda: None))
+    loop.start()
+    loop.join(30)
+    assert not loop.is_alive() and len(beats) == 3

@@ -58,6 +58,10 @@ def test_publishing_a_version_again_with_the_same_weights_is_a_retry(rt):
     assert again.published_at == first.published_at and again.tensors == first.tensors
     with pytest.raises(tc.AlreadyExists):
         publisher.publish(_state(n=3, fill=2), "v1")  # other weights: refused
+    reshaped = {k: v.reshape(-1) for k, v in _state(n=3, fill=1).items()}
+    assert any(t.dim() > 1 for t in _state(n=3, fill=1).values())
+    with pytest.raises(tc.AlreadyExists):  # the same bytes in other shapes: other weights
+        publisher.publish(reshaped, "v1")
     assert [v.version for v in list_versions(rt, "retry-model")] == ["v1"]
 
 

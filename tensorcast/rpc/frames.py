@@ -176,7 +176,10 @@ class FrameServer:
             body = json.dumps({"kind": public_name(e), "message": str(e)}).encode()
             return REPLY.pack(len(body), 1) + body
         finally:
-            RPC_LATENCY.observe(name, time.perf_counter() - started)
+            # The caller's name for the call is a label only if it is a method (any other
+            # text would add series for good, and could break the page).
+            label = name if name in STORE_METHODS else "unknown"
+            RPC_LATENCY.observe(label, time.perf_counter() - started)
 
 
 class FrameClient:

@@ -103,7 +103,8 @@ class Artifact:
 
             if on_device.is_cuda(device):
                 return on_device.materialize(self, device, timeout_s, shared)
-        info = self.info if self._fresh else self.refresh().info
+        cached = self._fresh
+        info = self.info if cached else self.refresh().info
         self._fresh = False
         # One listing serves both decisions below (cached briefly: reads are frequent).
         workers = self.runtime.cached_workers({r.worker_id for r in info.replicas})
@@ -113,7 +114,7 @@ class Artifact:
             self.prefetch(local[0], timeout_s=timeout_s)
             sources = [local[0]]
         errors: list[str] = []
-        corrupt = 0
+        corrupt = absent = 0
         for worker in sources:
             try:
                 tensors = self._materialize(worker, info, timeout_s)
@@ -121,10 +122,15 @@ class Artifact:
             except (NotFound, Unavailable, IntegrityError) as e:
                 errors.append(f"{worker.name}: {e}")
                 corrupt += isinstance(e, IntegrityError)
+                absent += isinstance(e, NotFound)
                 continue
             if device != "cpu":
                 tensors = {k: v.to(device) for k, v in tensors.items()}
             return tensors
+        if cached and errors and absent == len(errors):
+            # Read with what put/register answered: the artifact may be gone since (an
+            # expired lease, a delete). Ask the store: NotFound then, not a retryable error.
+            return self._all_tensors(device, timeout_s, shared)
         detail = "; ".join(errors)
         if errors and corrupt == len(errors):  # every copy is bad: no retry will help
             raise IntegrityError(f"no replica of {self.art_id!r} is intact: {detail}")

@@ -20,9 +20,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from tensorcast.errors import NotFound, ResourceExhausted, TensorcastError, Unavailable
+from tensorcast.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TensorcastError,
+    Unavailable,
+)
 from tensorcast.proto import tensorcast_pb2 as pb
 from tensorcast.rpc.convert import artifact_from_pb
+from tensorcast.store.base import member
 from tensorcast.types import ArtifactInfo, TensorMeta, WorkerInfo
 
 if TYPE_CHECKING:
@@ -63,12 +70,15 @@ def tensor_specs(items: Sequence[tuple[str, Any]], owner: str, ttl_s: float) -> 
 
     layouts = []
     sources: list[Any] = []
-    for _, tensors in items:
-        checked = tmod.check_tensors(tensors)
-        metas, size = pack_layout(
-            [(n, tmod.dtype_name(t.dtype), tuple(t.shape)) for n, t in checked]
-        )
-        buffers = [tmod.tensor_bytes(t) for _, t in checked]
+    for i, (art_id, tensors) in enumerate(items):
+        try:
+            checked = tmod.check_tensors(tensors)
+            metas, size = pack_layout(
+                [(n, tmod.dtype_name(t.dtype), tuple(t.shape)) for n, t in checked]
+            )
+            buffers = [tmod.tensor_bytes(t) for _, t in checked]
+        except InvalidArgument as e:  # which member, when several share tensor names
+            raise InvalidArgument(f"{member(i, art_id, len(items))}: {e}") from None
         layouts.append((metas, size, buffers))
         sources += buffers
     hashes = iter(native.hash_buffers(sources))
@@ -143,10 +153,17 @@ def _put_once(
     for target in targets:
         try:
             if runtime.is_local(target):
-                return _put_local(runtime, target, specs, held, progress, brief)
-            return _put_remote(runtime, target, specs, held, progress)
+                infos = _put_local(runtime, target, specs, held, progress, brief)
+            else:
+                infos = _put_remote(runtime, target, specs, held, progress)
         except ResourceExhausted as e:
             last_error = e  # this worker is full: try the next one
+            continue
+        written = sum(
+            s.size_bytes for s in specs if s.content_id is None or s.content_id not in held
+        )
+        runtime.note_written(target.worker_id, written)
+        return infos
     assert last_error is not None
     raise last_error
 

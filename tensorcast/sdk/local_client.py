@@ -69,6 +69,12 @@ class LocalConnection:
             except (OSError, ConnectionError) as e:
                 self.broken = True
                 raise errors.Unavailable(f"local worker connection failed: {e}") from None
+            except BaseException:
+                # Interrupted (Ctrl-C, an exception from a signal handler) between sending and
+                # reading the reply: the reply stays in the socket, and the next request would
+                # read it as its own (another artifact's region, under its name).
+                self.broken = True
+                raise
         if not reply.get("ok"):
             raise errors.error_named(str(reply.get("error")), reply.get("message", "worker error"))
         return reply, fds

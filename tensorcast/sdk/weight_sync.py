@@ -167,15 +167,17 @@ class WeightPublisher:
         return info
 
     def _same_version(self, version: str, tensors: dict[str, dict]) -> VersionInfo | None:
-        """`version` as published, if it holds exactly `tensors` (by hash)."""
+        """`version` as published, if it holds exactly `tensors`: the same bytes as the same
+        dtypes and shapes (a reshape, or other dtype of equal bits, is other weights)."""
         try:
             info = read_version(self.rt, self.model, version)
         except NotFound:
             return None
-        same = {n: t["hash"] for n, t in info.tensors.items()} == {
-            n: t["hash"] for n, t in tensors.items()
-        }
-        return info if same else None
+
+        def key(entries: dict[str, dict]) -> dict[str, tuple]:
+            return {n: (t["hash"], t["dtype"], list(t["shape"])) for n, t in entries.items()}
+
+        return info if key(info.tensors) == key(tensors) else None
 
     def collect(self) -> list[str]:
         """Delete all but the newest `keep_last` versions; returns the deleted versions. One

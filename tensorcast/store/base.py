@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tensorcast.errors import InvalidArgument, TensorcastError
+from tensorcast.errors import AlreadyExists, InvalidArgument, TensorcastError
 from tensorcast.types import (
     OWNER_LEASE,
     OWNER_SYSTEM,
@@ -264,6 +264,14 @@ def check_batch(replicas: list[NewReplica], artifacts: list[NewArtifact]) -> dic
     return by_content
 
 
+def check_same_owner(who: str, existing: str, wanted: str) -> None:
+    """A put and a register of one id do not mix: a put's artifact lives until deleted, a
+    register's until its lease ends (either answering with the other's was wrong)."""
+    if existing != wanted:
+        kind = "a lease (tc register)" if existing == OWNER_LEASE else "a system artifact (tc put)"
+        raise AlreadyExists(f"{who} already exists as {kind}: delete it first, or choose a new id")
+
+
 def check_owner(owner: str, ttl_s: float) -> None:
     if owner not in (OWNER_SYSTEM, OWNER_LEASE):
         raise InvalidArgument(f"bad owner {owner!r}: use 'system' or 'lease'")
@@ -406,6 +414,10 @@ class MetadataStore(Protocol):
 
     def counts(self) -> tuple[int, int]:
         """(number of artifacts, number of contents)."""
+        ...
+
+    def artifacts_by_owner(self, now: float) -> dict[str, int]:
+        """Live (unexpired) artifacts per owner, for the metrics page."""
         ...
 
     def describe(self) -> str:

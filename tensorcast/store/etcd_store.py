@@ -69,6 +69,7 @@ from tensorcast.store.base import (
     check_num_shards,
     check_owner,
     check_same_layout,
+    check_same_owner,
     every_page,
     fixed_num_shards,
     member,
@@ -696,7 +697,18 @@ class EtcdStore:
                         f"{member(i, a.art_id, size)} already exists with different content "
                         "(artifacts are immutable): choose a new id, e.g. a version suffix @v2"
                     )
+                check_same_owner(member(i, a.art_id, size), value["owner"], a.owner)
                 existed[i] = True
+                if a.owner == OWNER_LEASE and value["expires_at"] < now + a.ttl_s:
+                    # Registered again: the lease runs at least ttl_s.
+                    renewed = dict(value, expires_at=now + a.ttl_s)
+                    compares.append(self.kv.unchanged(f"a/{a.art_id}", item))
+                    ops += [
+                        self.kv.put(f"a/{a.art_id}", renewed),
+                        self.kv.delete(_exp_key(value["expires_at"], a.art_id)),
+                        self.kv.put(_exp_key(renewed["expires_at"], a.art_id), 1),
+                    ]
+                    written[a.art_id] = renewed
                 continue
             content = records.get(a.content_id)
             if content is None:
@@ -1153,6 +1165,13 @@ class EtcdStore:
 
         if self.kv.optimistic(collect):
             self._drop_replicas(content_id)
+
+    def artifacts_by_owner(self, now: float) -> dict[str, int]:
+        owners: dict[str, int] = {}
+        records = {key[2:]: item for key, item in self.kv.range("a/").items()}
+        for value in self._visible(records, now).values():
+            owners[value["owner"]] = owners.get(value["owner"], 0) + 1
+        return owners
 
     def counts(self) -> tuple[int, int]:
         staged = sum(

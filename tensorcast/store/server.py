@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from tensorcast.config import DEFAULT_BATCH_TIMEOUT_S, DEFAULT_UNREFERENCED_GRACE_S, TLSFiles
 from tensorcast.metrics import MetricsServer, Sample
@@ -36,14 +37,7 @@ METRIC_HELP = {
 def _samples(store: MetadataStore) -> list[Sample]:
     now = time.time()
     workers = store.list_workers(now)
-    owners = {"system": 0, "lease": 0}
-    page, after = store.list_artifact_page("", "", 0, now)
-    while True:
-        for a in page:
-            owners[a.owner] = owners.get(a.owner, 0) + 1
-        if not after:
-            break
-        page, after = store.list_artifact_page("", after, 0, now)
+    owners = {"system": 0, "lease": 0} | store.artifacts_by_owner(now)
     _, num_contents = store.counts()
     samples: list[Sample] = [
         ("tc_store_artifacts", {"owner": owner}, count) for owner, count in owners.items()
@@ -57,16 +51,23 @@ def _samples(store: MetadataStore) -> list[Sample]:
                 sum(w.alive == alive for w in workers),
             )
         )
+    # One series per name: a dead worker's only while no live one took its name (a restart
+    # under the same --name has a new id), and pools of live workers only.
+    live_names = {w.name for w in workers if w.alive}
     for w in workers:
+        if not w.alive and w.name in live_names:
+            continue
         samples.append(
             ("tc_store_worker_heartbeat_age_seconds", {"worker": w.name}, w.heartbeat_age_s)
         )
-        samples.append(
-            ("tc_store_worker_pool_bytes", {"worker": w.name, "kind": "capacity"}, w.mem_cap_bytes)
-        )
-        samples.append(
-            ("tc_store_worker_pool_bytes", {"worker": w.name, "kind": "used"}, w.mem_used_bytes)
-        )
+    for w in workers:
+        if w.alive:
+            labels = {"worker": w.name, "kind": "capacity"}
+            samples.append(("tc_store_worker_pool_bytes", labels, w.mem_cap_bytes))
+    for w in workers:
+        if w.alive:
+            labels = {"worker": w.name, "kind": "used"}
+            samples.append(("tc_store_worker_pool_bytes", labels, w.mem_used_bytes))
     return samples
 
 
@@ -108,6 +109,7 @@ def serve(
     frame_port)` runs once listening (frame_port 0: none, with TLS)."""
     store, coord = backend
     db_path = store.describe()
+    sweeps: dict[str, Any] = {"failing": False, "error": ""}  # the last sweep's, for /healthz
     server = make_server(token)
     service = GlobalStoreService(store, coord, db_path, heartbeat_ttl_s)
     pb_grpc.add_GlobalStoreServicer_to_server(service, server)
@@ -126,7 +128,14 @@ def serve(
             ]
         ),
         METRIC_HELP,
-        lambda: (True, {"db": db_path, "schema_version": getattr(store, "schema_version", 0)}),
+        lambda: (
+            not sweeps["failing"],
+            {
+                "db": db_path,
+                "schema_version": getattr(store, "schema_version", 0),
+                "sweeps": "failing: " + sweeps["error"] if sweeps["failing"] else "ok",
+            },
+        ),
     )
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -135,21 +144,21 @@ def serve(
     log.info("global store listening on %s, records in %s", addr, db_path)
     if on_ready:
         on_ready(addr, metrics.addr, service.frame_port)
-    failing = False
     while not stop.wait(SWEEP_INTERVAL_S):
         now = time.time()
+        failing = bool(sweeps["failing"])
         try:
             store.sweep(now, judge_workers=not failing and now >= service.judged_from)
             coord.sweep(now)
-        except Exception:  # keep serving; the next sweep retries
+        except Exception as e:  # keep serving; the next sweep retries
             if not failing:
                 log.exception("sweep failed; retrying every %.1fs", SWEEP_INTERVAL_S)
-            failing = True
+            sweeps.update(failing=True, error=f"{type(e).__name__}: {e}"[:300])
             continue
         if failing:  # the backend answers again; the workers' heartbeats could not meanwhile
             log.info("sweeps work again")
             service.judged_from = now + heartbeat_ttl_s
-            failing = False
+            sweeps.update(failing=False, error="")
     log.info("global store stopping")
     metrics.close()
     if frames:

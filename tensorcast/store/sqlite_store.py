@@ -16,6 +16,7 @@ import json
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ from tensorcast.store.base import (
     check_lease_ttl,
     check_owner,
     check_same_layout,
+    check_same_owner,
     every_page,
     member,
     page_limit,
@@ -622,15 +624,17 @@ class SqliteStore:
 
         return self.write(create)
 
-    def _existing(self, table: str, key: str, ids: list[str]) -> dict[str, str]:
-        """The rows of `table` among `ids` (inside a write): key -> their content_id."""
+    def _existing(
+        self, table: str, key: str, ids: list[str], column: str = "content_id"
+    ) -> dict[str, str]:
+        """The rows of `table` among `ids` (inside a write): key -> their `column`."""
         found: dict[str, str] = {}
         for start in range(0, len(ids), IN_CHUNK):
             chunk = list(dict.fromkeys(ids[start : start + IN_CHUNK]))
             marks = ",".join("?" * len(chunk))
             found.update(
                 self.db.conn.execute(
-                    f"SELECT {key}, content_id FROM {table} WHERE {key} IN ({marks})", chunk
+                    f"SELECT {key}, {column} FROM {table} WHERE {key} IN ({marks})", chunk
                 ).fetchall()
             )
         return found
@@ -639,6 +643,7 @@ class SqliteStore:
         """Insert artifacts (inside a write) with one statement: whether each existed with its
         content; AlreadyExists / NotFound name the first bad member."""
         names = self._existing("artifacts", "art_id", [a.art_id for a in artifacts])
+        owners = self._existing("artifacts", "art_id", list(names), "owner")
         existed, rows = [], []
         for i, a in enumerate(artifacts):
             if a.art_id in names:
@@ -648,9 +653,15 @@ class SqliteStore:
                         "content (artifacts are immutable): choose a new id, e.g. a version "
                         "suffix @v2"
                     )
+                check_same_owner(member(i, a.art_id, len(artifacts)), owners[a.art_id], a.owner)
+                if a.owner == OWNER_LEASE:  # registered again: the lease runs at least ttl_s
+                    self.db.execute(
+                        "UPDATE artifacts SET expires_at = MAX(expires_at, ?) WHERE art_id = ?",
+                        [now + a.ttl_s, a.art_id],
+                    )
                 existed.append(True)
                 continue
-            names[a.art_id] = a.content_id
+            names[a.art_id], owners[a.art_id] = a.content_id, a.owner  # named twice in the batch
             expires_at = now + a.ttl_s if a.owner == OWNER_LEASE else None
             rows.append((a.art_id, a.content_id, a.owner, now, expires_at, a.parent))
             existed.append(False)
@@ -686,12 +697,13 @@ class SqliteStore:
         """The write of `put_artifacts` (checked first: raises on a bad member)."""
         check_batch(replicas, artifacts)
         faults = self.faults
+        arrived = time.monotonic()
 
         def put() -> PutResult:
             redundant = []
             if replicas:
                 self._check_worker(worker_id)
-            self._expire(now)
+            self._expire(now + (time.monotonic() - arrived))  # when it runs (see renew_lease)
             live = now - self.heartbeat_ttl_s
             # Contents new to the store, held here only: recorded with one statement each
             # for the whole batch (a 700-tensor publish is 700 of them).
@@ -924,9 +936,13 @@ class SqliteStore:
 
     def renew_lease(self, art_id: str, ttl_s: float, now: float) -> ArtifactInfo:
         check_lease_ttl(ttl_s)
+        arrived = time.monotonic()
 
         def renew() -> ArtifactInfo:
-            self._expire(now)
+            # Judged when the write runs, not when the call arrived: queued behind other
+            # writes past its expiry, a renewal would bring back an artifact readers saw gone.
+            at = now + (time.monotonic() - arrived)
+            self._expire(at)
             row = self.db.execute(
                 "SELECT owner FROM artifacts WHERE art_id = ?", [art_id]
             ).fetchone()
@@ -935,9 +951,9 @@ class SqliteStore:
             if row[0] != OWNER_LEASE:
                 raise InvalidArgument(f"artifact {art_id!r} is system-owned and has no lease")
             self.db.execute(
-                "UPDATE artifacts SET expires_at = ? WHERE art_id = ?", [now + ttl_s, art_id]
+                "UPDATE artifacts SET expires_at = ? WHERE art_id = ?", [at + ttl_s, art_id]
             )
-            return self._artifact(self.db.conn, art_id, now)
+            return self._artifact(self.db.conn, art_id, at)
 
         return self.write(renew)
 
@@ -1020,6 +1036,15 @@ class SqliteStore:
                 conn.execute("SELECT COUNT(*) FROM artifacts").fetchone()[0],
                 conn.execute("SELECT COUNT(*) FROM contents").fetchone()[0],
             )
+
+    def artifacts_by_owner(self, now: float) -> dict[str, int]:
+        with self._snapshot() as conn:
+            rows = conn.execute(
+                "SELECT owner, COUNT(*) FROM artifacts WHERE expires_at IS NULL "
+                "OR expires_at > ? GROUP BY owner",
+                [now],
+            )
+            return {owner: count for owner, count in rows}
 
     def describe(self) -> str:
         return str(self.path)

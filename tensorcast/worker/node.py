@@ -752,17 +752,22 @@ class WorkerNode:
         """Heartbeat every `interval_s`. While the store cannot be reached the worker keeps
         serving what it holds and beats at a slower pace (at most HEARTBEAT_BACKOFF times the
         interval apart), logging the outage once; the first beat that lands re-reports its
-        whole inventory (a restarted store lists every replica again)."""
+        whole inventory (a restarted store lists every replica again). Nothing ends the loop
+        but `stop`: a bug in one beat is logged and the next beat tries again (the store would
+        count a worker whose beats stopped as dead, and all it holds as lost)."""
         self.heartbeat_interval_s = interval_s
         delay_s = interval_s
         while not self._stop.wait(delay_s):
-            on_tick()
-            self.pages.expire()
             try:
+                on_tick()
+                self.pages.expire()
                 self.heartbeat_once()
-            except TensorcastError as e:
+            except Exception as e:
                 if delay_s == interval_s:
-                    log.warning("heartbeat failed, still serving, retrying: %s", e)
+                    if isinstance(e, TensorcastError):
+                        log.warning("heartbeat failed, still serving, retrying: %s", e)
+                    else:
+                        log.exception("heartbeat failed (a bug), still serving, retrying")
                 delay_s = min(delay_s * 1.5, interval_s * HEARTBEAT_BACKOFF)
                 continue
             if delay_s != interval_s:

@@ -135,8 +135,10 @@ def _samples(
 
 
 def _health(node: WorkerNode, heartbeat_interval_s: float) -> tuple[bool, dict]:
+    """Healthy while the store would count this worker alive (its last beat within the
+    TTL the store gave it, less an interval: the store's clock started when it was sent)."""
     age = time.monotonic() - node.last_heartbeat_ok
-    ok = age < 5 * heartbeat_interval_s + 1
+    ok = age < node.heartbeat_ttl_s - heartbeat_interval_s
     return ok, {"worker_id": node.worker_id, "name": node.name, "heartbeat_age_s": round(age, 3)}
 
 
