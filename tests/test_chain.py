@@ -132,3 +132,22 @@ def test_a_pull_that_cannot_reserve_closes_its_ticket_at_the_source(tmp_path):
             assert [r.worker_id for r in rt.info("full/a").replicas] == [
                 rt.resolve_worker("worker-1").worker_id
             ]
+
+
+def test_prefetch_timeouts_past_a_uint32_of_milliseconds_are_clear_errors(four):
+    """A prefetch's timeout travels in uint32 milliseconds and the ticket it opens asks for
+    5 s more: near the top, that overflowed inside the worker (a bare ValueError, as an
+    internal error, and no source tried). The SDK refuses more than a day; a worker given a
+    timeout at the top of the range still prefetches."""
+    with four.connect() as rt:
+        rt.put({"w": torch.arange(64.0)}, "long-wait", worker="worker-1")
+        art = rt.artifact("long-wait")
+        with pytest.raises(tc.InvalidArgument, match="timeout_s"):
+            art.prefetch("worker-2", timeout_s=5e6)
+        target = rt.resolve_worker("worker-2")
+        reply = rt.worker_stub(target).call(
+            "Prefetch",
+            pb.PrefetchRequest(content_id=art.content_id, timeout_ms=(1 << 32) - 1),
+            timeout_s=60,
+        )
+        assert reply.bytes_moved == 64 * 4 and not reply.already_present

@@ -74,6 +74,16 @@ def test_up_twice_status_and_down(tmp_path):
         assert len(pids) == 3
         second = json.loads(c.tc("up", "--json", check=True).stdout)
         assert second["already_running"] and {p["pid"] for p in second["processes"]} == pids
+        # What running workers cannot follow is refused, nothing saved: --mem is every
+        # worker's pool (the next restart of all took it), --workers below the running ones
+        # dropped them from the record.
+        for args, says in (
+            (["--mem", "64MiB"], "run with 32MiB pools"),
+            (["--workers", "1"], "worker-2 run(s) beyond --workers 1"),
+        ):
+            refused = c.tc("up", *args)
+            assert refused.returncode == tc.InvalidArgument.exit_code and says in refused.stderr
+        assert json.loads((state / "layout.json").read_text())["mem"] == "32MiB"
         status = json.loads(c.tc("status", "--json", check=True).stdout)
         assert status["healthy"]
         states = {x["name"]: x["state"] for x in status["components"]}
@@ -386,6 +396,40 @@ def test_pool_full_is_clean(fresh_cluster):
         assert [a.art_id for a in rt.list_artifacts()] == ["fits"]
         proc = fresh_cluster.tc("ls", "--json", check=True)
         assert [a["art_id"] for a in json.loads(proc.stdout)["artifacts"]] == ["fits"]
+
+
+def test_files_put_by_reference_must_fit_the_pool_that_reads_them(fresh_cluster, tmp_path):
+    """A by-reference put reads nothing until the first load, which loads it whole into the
+    registering worker's pool: one larger than that pool was accepted and could then never be
+    read anywhere (every read failed with pool full). Refused at the put, nothing recorded."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "big.safetensors"
+    save_file({"w": torch.zeros(80 * 1024 * 1024 // 4)}, str(path))  # 80 MiB > 64 MiB
+    proc = fresh_cluster.tc("put", "big-ref", str(path), "--by-reference")
+    assert proc.returncode == tc.ResourceExhausted.exit_code and "more than" in proc.stderr
+    with fresh_cluster.connect() as rt:
+        assert rt.list_artifacts() == [] or all(a.art_id != "big-ref" for a in rt.list_artifacts())
+
+
+def test_get_writes_through_a_symlink_and_down_of_no_cluster_creates_nothing(cluster, tmp_path):
+    from safetensors.torch import load_file
+
+    with cluster.connect() as rt:
+        rt.put({"w": torch.arange(4.0)}, "via-link")
+    target = tmp_path / "target.safetensors"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    cluster.tc("get", "via-link", "-o", str(link), check=True)
+    assert link.is_symlink() and torch.equal(load_file(target)["w"], torch.arange(4.0))
+    typo = tmp_path / "no-such-state-dir"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tensorcast.cli.main", "down", "--state-dir", str(typo)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and not typo.exists()
 
 
 def test_cli_errors_have_exit_codes(tmp_path, cluster):

@@ -287,7 +287,7 @@ def test_listings_page_and_never_show_part_of_a_batch(cluster):
     assert [a["art_id"] for a in json.loads(more)["artifacts"]] == ["half/298", "half/299"]
     assert json.loads(more)["next_after"] is None
     text = cluster.tc("ls", "half/", "--limit", "1", check=True).stdout
-    assert "more: tc ls --after 'half/000'" in text
+    assert "more: tc ls half/ --after half/000 --limit 1" in text  # the same prefix and limit
 
 
 @pytest.fixture
@@ -480,19 +480,6 @@ def test_ids_that_would_split_store_keys_are_refused(rt):
         )
     with pytest.raises(tc.NotFound):
         rt.artifact("ids/bad")
-
-
-def test_a_burst_of_puts_spreads_over_the_workers_by_free_memory(fresh_cluster):
-    """The worker list is cached for 2 s and the store's pool figures are a heartbeat old: a
-    burst of puts all went to the first worker until it was full (then evicting its cached
-    copies while the other sat empty). Bytes just written now count at once."""
-    with fresh_cluster.extra_worker("second"), fresh_cluster.connect() as rt:
-        wait_until(lambda: sum(w.alive for w in rt.workers()) == 2, 30)
-        for i in range(6):
-            rt.put({"w": torch.full((2 << 20,), float(i))}, f"burst/{i}")  # 8 MiB each
-        names = {w.worker_id: w.name for w in rt.workers()}
-        where = [names[rt.info(f"burst/{i}").replicas[0].worker_id] for i in range(6)]
-    assert min(where.count(n) for n in set(names.values())) >= 2, where
 
 
 def test_an_interrupted_request_leaves_no_reply_for_the_next_one(cluster, monkeypatch):

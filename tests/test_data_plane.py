@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import pool_used, start_cluster, wait_dead
+from conftest import pool_used, start_cluster, wait_dead, wait_until
 
 import tensorcast as tc
 
@@ -71,7 +71,9 @@ def test_eviction_respects_pins_and_last_copies(pair):
         # (a is pinned, d is the last copy).
         c = rt.put(_mib_tensor(24, 3.0), "ev-c", worker="worker-1")
         assert c.prefetch("worker-2").bytes_moved == c.size_bytes
-        assert _replicas(rt, "ev-b") == {"worker-1": False}
+        # A heartbeat of worker-2 that listed b before the eviction and landed after it adds
+        # b's row back until the next beat says it went: the store's rows follow within one.
+        wait_until(lambda: _replicas(rt, "ev-b") == {"worker-1": False}, 30)
         assert set(_replicas(rt, "ev-a")) == {"worker-1", "worker-2"}
         assert _replicas(rt, "ev-d") == {"worker-2": False}
         # With c pinned too nothing is evictable: a clean failure, accounting unchanged.

@@ -55,6 +55,10 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         _check(
             "prefetch", c.tc("prefetch", "shape", "--to", "worker-2", "--json", check=True).stdout
         )
+        chain = c.tc("prefetch", "shape", "--to", "worker-1", "--to", "worker-2", "--json")
+        rows = _check("prefetch (chain)", chain.stdout)["chain"]
+        assert [r["worker"] for r in rows] == ["worker-1", "worker-2"]
+        assert all(set(SHAPES["prefetch"]) <= set(r) for r in rows)  # each hop as one prefetch
         _check("pin", c.tc("pin", "shape", "--on", "worker-2", "--json", check=True).stdout)
         _check("ls", c.tc("ls", "--json", check=True).stdout)
         _check("workers", c.tc("workers", "--interval", "0", "--json", check=True).stdout)
@@ -95,6 +99,7 @@ def test_every_command_json_matches_its_documented_shape(tmp_path):
         "rm",
         "rm --lost",
         "prefetch",
+        "prefetch (chain)",
         "pin",
         "unpin",
         "worker stop",

@@ -187,11 +187,11 @@ def test_malformed_plans_are_rejected_before_anything_runs(cluster, instances):
 
         p = plan()
         p.on_instance("nobody").publish("x")
-        with pytest.raises(tc.InvalidArgument, match="no instance 'nobody'"):
+        with pytest.raises(tc.NotFound, match="no instance 'nobody'"):  # as `tc migrate` says
             p.run(rt)
         p = plan()
         p.on_worker("no-worker").pin("kv-llama@v1")
-        with pytest.raises(tc.InvalidArgument, match="no worker"):
+        with pytest.raises(tc.NotFound, match="no worker"):
             p.run(rt)
         gateway = rt.worker_stub(rt.gateways()[0])
         bad = {

@@ -43,8 +43,9 @@ net::LinkPool& connection_pool() { return net::link_pool(); }
 struct ConnectionLost {
     TransferFailure kind;
     std::string message;
-    // Connecting or HELLO got no answer within the stall limit: the source is frozen or cut
-    // off, and connecting again would only spend the caller's deadline (other replicas wait).
+    // The source sent nothing for the stall limit (connecting, HELLO, or mid-transfer): it is
+    // frozen or cut off, and connecting again (or taking a pooled link to it, which skips the
+    // HELLO that would tell) only spends the caller's deadline while other replicas wait.
     bool unanswered = false;
 };
 
@@ -120,8 +121,7 @@ private:
         l.ssl = link.session.get();
         return l;
     }
-    [[noreturn]] void throw_io(net::Io io, int error, const char* what,
-                               bool handshake = false);
+    [[noreturn]] void throw_io(net::Io io, int error, const char* what);
 
     int64_t take_chunk(uint64_t connection_id, bool wait);
     void complete_chunk(uint32_t chunk);
@@ -253,7 +253,7 @@ bool Pull::on_connection_lost(const ConnectionLost& loss) {
     return false;
 }
 
-void Pull::throw_io(net::Io io, int error, const char* what, bool handshake) {
+void Pull::throw_io(net::Io io, int error, const char* what) {
     switch (io) {
         case net::Io::kWoken: throw PullOver{};
         case net::Io::kTimeout:
@@ -261,7 +261,7 @@ void Pull::throw_io(net::Io io, int error, const char* what, bool handshake) {
                 throw ConnectionLost{TransferFailure::kPeerClosed,
                                      std::string(what) + ": no data for " +
                                          std::to_string(stall_ms_) + " ms",
-                                     handshake};
+                                     /*unanswered=*/true};
             throw PullFailed{TransferFailure::kTimeout, "deadline passed"};
         case net::Io::kClosed:
             throw ConnectionLost{TransferFailure::kPeerClosed,
@@ -336,10 +336,10 @@ Link Pull::connect_and_hello(uint64_t connection_id) {
     int error = 0;
     handshake.ssl = link.session.get();
     net::Io io = net::send_all(fd.get(), iov, 2, handshake, &error);
-    if (io != net::Io::kOk) throw_io(io, error, "HELLO", true);
+    if (io != net::Io::kOk) throw_io(io, error, "HELLO");
 
     io = net::recv_all(fd.get(), header, sizeof header, handshake, &error);
-    if (io != net::Io::kOk) throw_io(io, error, "HELLO reply", true);
+    if (io != net::Io::kOk) throw_io(io, error, "HELLO reply");
     frame::Header reply;
     const frame::Status status = frame::decode_header(header, sizeof header, &reply);
     if (status != frame::Status::kOk)

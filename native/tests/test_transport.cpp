@@ -265,6 +265,43 @@ void test_unanswered_hello_fails_at_the_stall_limit() {
     CHECK(elapsed >= 0.29 && elapsed < 30);  // no reconnects, nowhere near the 60 s deadline
 }
 
+// A source that answers HELLO, then freezes (a stopped process whose kernel still takes the
+// READs): every stream stalls. The pull fails at the stall limit without reconnecting (each
+// reconnect, on a pooled link that skips HELLO, waited a whole stall limit more: a frozen
+// replica spent the caller's deadline while healthy ones waited).
+void test_a_source_frozen_mid_pull_fails_at_the_stall_limit_without_reconnects() {
+    SilentListener frozen;
+    std::atomic<bool> stop{false};
+    std::vector<int> accepted;
+    std::thread server([&] {
+        while (!stop) {
+            pollfd p{frozen.fd, POLLIN, 0};
+            if (::poll(&p, 1, 50) <= 0) continue;
+            const int fd = ::accept(frozen.fd, nullptr, nullptr);
+            if (fd < 0) continue;
+            uint8_t header[tc::frame::kHeaderBytes];
+            tc::frame::encode_header(tc::frame::hello_ok(), header);
+            CHECK(::send(fd, header, sizeof header, MSG_NOSIGNAL) == ssize_t(sizeof header));
+            accepted.push_back(fd);  // reads arrive and are never answered
+        }
+    });
+    std::vector<uint8_t> dest(8 << 20);
+    tc::PullStats stats;
+    const auto start = Clock::now();
+    CHECK(fails_with<tc::TransferError>(tc::TransferFailure::kPeerClosed, [&] {
+        stats = tc::pull("127.0.0.1", frozen.port, kToken, 1, 0, dest.size(), dest.data(), 2, 0,
+                         60'000, nullptr, {}, {}, /*stall_ms=*/300);
+    }));
+    const double elapsed = seconds_since(start);
+    stop = true;
+    server.join();
+    std::printf("frozen after HELLO, stall 300 ms, 2 streams: failed after %.3f s, %zu connections\n",
+                elapsed, accepted.size());
+    CHECK(accepted.size() == 2);  // its two streams, no reconnect
+    CHECK(elapsed >= 0.29 && elapsed < 30);
+    for (int fd : accepted) ::close(fd);
+}
+
 void test_refused() {
     uint16_t port;
     {
@@ -525,6 +562,8 @@ int main() {
         {"timeout_and_cancel", test_timeout_and_cancel},
         {"unanswered_hello_fails_at_the_stall_limit",
          test_unanswered_hello_fails_at_the_stall_limit},
+        {"a_source_frozen_mid_pull_fails_at_the_stall_limit_without_reconnects",
+         test_a_source_frozen_mid_pull_fails_at_the_stall_limit_without_reconnects},
         {"refused", test_refused},
         {"server_stop_mid_pull", test_server_stop_mid_pull},
         {"server_protocol_errors", test_server_protocol_errors},

@@ -67,7 +67,8 @@ def command(
         emit(
             as_json,
             data,
-            table(rows, ["ID", "WORKER", "TIER", "PINNED", "SIZE"]) + _more(next_after),
+            table(rows, ["ID", "WORKER", "TIER", "PINNED", "SIZE"])
+            + _more(next_after, prefix, limit, "--replicas"),
         )
         return
     rows = [
@@ -86,12 +87,19 @@ def command(
         as_json,
         data,
         table(rows, ["ID", "SIZE", "TENSORS", "OWNER", "EXPIRES", "REPLICAS", "CONTENT"])
-        + _more(next_after),
+        + _more(next_after, prefix, limit),
     )
 
 
-def _more(next_after: str) -> str:
-    return f"\n(more: tc ls --after {next_after!r})" if next_after else ""
+def _more(next_after: str, prefix: str, limit: int, *flags: str) -> str:
+    """The command that lists the next page (the same prefix, limit and view)."""
+    if not next_after:
+        return ""
+    import shlex
+
+    args = ["tc", "ls", *([prefix] if prefix else []), *flags, "--after", next_after]
+    args += ["--limit", str(limit)] if limit else []
+    return f"\n(more: {shlex.join(args)})"
 
 
 def _with_names(artifact: dict, names: dict[str, str]) -> dict:

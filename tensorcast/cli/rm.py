@@ -31,11 +31,10 @@ def command(
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    from tensorcast.errors import InvalidArgument
 
     if not lost:
-        if art_id is None or dry_run:
-            raise InvalidArgument("name an artifact to delete (or pass --lost [--dry-run])")
+        if art_id is None or dry_run:  # a usage error (exit 2), like a missing argument
+            raise typer.BadParameter("name an artifact to delete (or pass --lost [--dry-run])")
         with connect(state_dir, addr, token) as rt:
             rt.delete(art_id)
         emit(as_json, {"deleted": art_id}, f"deleted {art_id}")

@@ -9,6 +9,7 @@ from tensorcast.errors import (
     IntegrityError,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     TensorcastError,
     Unavailable,
 )
@@ -25,6 +26,7 @@ SliceLike = slice | int | Sequence[slice]
 # Closing a transfer ticket after a read is a courtesy (it expires by itself): wait this long
 # at most, so a source that died after serving the bytes does not hold up the result.
 CLOSE_TRANSFER_TIMEOUT_S = 1.0
+MAX_PREFETCH_TIMEOUT_S = 86_400.0  # a day: the worker counts it in uint32 milliseconds
 # prefetch_chain's calls in flight at once (one thread each).
 MAX_CHAIN_THREADS = 64
 
@@ -114,15 +116,17 @@ class Artifact:
             self.prefetch(local[0], timeout_s=timeout_s)
             sources = [local[0]]
         errors: list[str] = []
-        corrupt = absent = 0
+        corrupt = absent = full = 0
         for worker in sources:
             try:
                 tensors = self._materialize(worker, info, timeout_s)
-            # The replica just went away, or arrived corrupt (a bad copy): try the next one.
-            except (NotFound, Unavailable, IntegrityError) as e:
+            # The replica just went away, arrived corrupt (a bad copy), or its worker has no
+            # room to load it from its disk or file tier: try the next one.
+            except (NotFound, Unavailable, IntegrityError, ResourceExhausted) as e:
                 errors.append(f"{worker.name}: {e}")
                 corrupt += isinstance(e, IntegrityError)
                 absent += isinstance(e, NotFound)
+                full += isinstance(e, ResourceExhausted)
                 continue
             if device != "cpu":
                 tensors = {k: v.to(device) for k, v in tensors.items()}
@@ -132,6 +136,10 @@ class Artifact:
             # expired lease, a delete). Ask the store: NotFound then, not a retryable error.
             return self._all_tensors(device, timeout_s, shared)
         detail = "; ".join(errors)
+        if errors and full == len(errors):
+            raise ResourceExhausted(
+                f"no worker holding {self.art_id!r} has room to load it: {detail}"
+            )
         if errors and corrupt == len(errors):  # every copy is bad: no retry will help
             raise IntegrityError(f"no replica of {self.art_id!r} is intact: {detail}")
         raise Unavailable(f"no replica of {self.art_id!r} could be read: {detail}")
@@ -295,6 +303,10 @@ class Artifact:
     def _prefetch(
         self, target: WorkerInfo, timeout_s: float, streams: int, relay_from: str, chain: bool
     ) -> pb.PrefetchReply:
+        if not 0 < timeout_s <= MAX_PREFETCH_TIMEOUT_S:
+            raise InvalidArgument(
+                f"prefetch timeout_s must be in (0, {MAX_PREFETCH_TIMEOUT_S:.0f}], not {timeout_s}"
+            )
         return self.runtime.worker_stub(target).call(
             "Prefetch",
             pb.PrefetchRequest(

@@ -153,17 +153,10 @@ def _put_once(
     for target in targets:
         try:
             if runtime.is_local(target):
-                infos = _put_local(runtime, target, specs, held, progress, brief)
-            else:
-                infos = _put_remote(runtime, target, specs, held, progress)
+                return _put_local(runtime, target, specs, held, progress, brief)
+            return _put_remote(runtime, target, specs, held, progress)
         except ResourceExhausted as e:
             last_error = e  # this worker is full: try the next one
-            continue
-        written = sum(
-            s.size_bytes for s in specs if s.content_id is None or s.content_id not in held
-        )
-        runtime.note_written(target.worker_id, written)
-        return infos
     assert last_error is not None
     raise last_error
 

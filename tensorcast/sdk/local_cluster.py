@@ -83,6 +83,34 @@ def _wait_exit(pid: int, timeout_s: float) -> bool:
         os.close(fd)
 
 
+def _check_running_workers(
+    live: dict[str, ProcessRecord], saved: Layout, wanted: Layout, mem: str | None
+) -> None:
+    """Options that running workers cannot follow are refused, not half applied: `--mem` is
+    every worker's pool size (running ones kept theirs, and the next restart of all of them
+    took the new one), and `--workers` below the running count dropped the others from the
+    record while they ran on."""
+    running = sorted(n for n in live if n.startswith("worker-"))
+    if not running:
+        return
+    if mem and parse_size(mem) != parse_size(saved.mem):
+        raise InvalidArgument(
+            f"{len(running)} worker(s) of this cluster run with {saved.mem} pools, and --mem is "
+            "every worker's: `tc down` first to change it (or `tc worker start` one of another "
+            "size)"
+        )
+    beyond = [
+        n
+        for n in running
+        if n.rpartition("-")[2].isdigit() and int(n.rpartition("-")[2]) > wanted.workers
+    ]
+    if beyond:
+        raise InvalidArgument(
+            f"{', '.join(beyond)} run(s) beyond --workers {wanted.workers}: stop them first "
+            "(tc worker stop NAME), or ask for as many"
+        )
+
+
 def stop_process(pid: int, timeout_s: float) -> bool:
     """SIGTERM a TensorCast process, SIGKILL it after `timeout_s`; True if it had to be killed."""
     if not _is_ours(pid):
@@ -213,6 +241,7 @@ def up(
             for p in (previous.processes if previous else [])
             if _is_ours(p.pid, p.started_at)
         }
+        _check_running_workers(live, worked, layout, mem)
         etcd_names = [f"etcd-{i + 1}" for i in range(HA_ETCD_MEMBERS)] if layout.ha else []
         names = etcd_names + layout.store_names()
         names += [f"worker-{i + 1}" for i in range(layout.workers)]
@@ -463,6 +492,8 @@ def down(
     returns them, and those that had to be killed (SIGKILL after `timeout_s`, by default
     `stop_timeout_s` for workers and STOP_TIMEOUT_S for the others): a disk-tier worker
     killed may not have saved all it held."""
+    if not state_dir.is_dir():  # nothing to stop (a mistyped --state-dir is not created)
+        return [], []
     with _state_lock(state_dir):
         record = ClusterRecord.load(state_dir)
         if record is None:

@@ -7,7 +7,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,22 +130,6 @@ class Runtime:
             if all(r in known for r in require):
                 return cached[1]
         return self.workers()
-
-    def note_written(self, worker_id: str, size_bytes: int) -> None:
-        """Count bytes just written to a worker in the cached worker list: the next puts of a
-        burst see them (the store's figures are a heartbeat old), and spread over the workers
-        by free memory instead of all going to the first until it is full."""
-        with self._lock:
-            cached = self._workers_cache
-            if cached is None:
-                return
-            workers = [
-                replace(w, mem_used_bytes=w.mem_used_bytes + size_bytes)
-                if w.worker_id == worker_id
-                else w
-                for w in cached[1]
-            ]
-            self._workers_cache = (cached[0], workers)
 
     def forget_workers(self) -> None:
         """Drop the cached worker list (a worker we knew was not there)."""

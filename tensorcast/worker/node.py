@@ -411,6 +411,13 @@ class WorkerNode:
         """`tc put --by-reference`: describe the files (headers only) and record a "file"
         replica; no tensor byte is read until the first load."""
         ref = describe(path)
+        capacity = self.pool.stats().capacity_bytes
+        if ref.layout.size_bytes > capacity:  # every read loads it whole into the pool
+            raise ResourceExhausted(
+                f"{path} holds {ref.layout.size_bytes} bytes of tensors, more than worker "
+                f"{self.name}'s pool ({capacity} bytes): it could never be read; put it on a "
+                "worker with a larger --mem"
+            )
         known = self.references.get(ref.content_id)
         ref = known or ref
         self.references.add(ref)

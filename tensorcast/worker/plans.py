@@ -250,7 +250,7 @@ class PlanExecutor:
                     instances = [instance_from_pb(i) for i in reply.instances]
                 inst = next((i for i in instances if i.instance_id == target), None)
                 if inst is None:
-                    raise errors.InvalidArgument(f"step {step['id']}: no instance {target!r}")
+                    raise errors.NotFound(f"step {step['id']}: no instance {target!r}")
                 if not inst.alive:
                     raise errors.Unavailable(f"step {step['id']}: instance {target!r} is not alive")
                 target = inst.worker_id
@@ -258,7 +258,7 @@ class PlanExecutor:
             named = [w for w in workers if target in (w.worker_id, w.name)]
             worker = next((w for w in named if w.alive), named[0] if named else None)
             if worker is None:
-                raise errors.InvalidArgument(f"step {step['id']}: no worker {target!r}")
+                raise errors.NotFound(f"step {step['id']}: no worker {target!r}")
             if not worker.alive:
                 raise errors.Unavailable(f"step {step['id']}: worker {worker.name} is dead")
             routes[step["id"]] = (worker.worker_id, worker.addr, worker.name)

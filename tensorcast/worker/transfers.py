@@ -39,6 +39,7 @@ from tensorcast.worker.pool import Content, Reservation
 log = logging.getLogger(__name__)
 
 DEFAULT_TICKET_TTL_MS = 120_000
+MAX_TICKET_TTL_MS = (1 << 32) - 1  # the field is a uint32
 # A ticket no READ used for this long is closed early: its puller died (a live pull reads every
 # few milliseconds, and gives up a connection after 10 s without data), and its hold would keep
 # the content in memory until the ticket's deadline.
@@ -293,7 +294,9 @@ class Transfers:
                 ticket = peer.call(
                     "OpenTransfer",
                     pb.OpenTransferRequest(
-                        content_id=content_id, ttl_ms=int(remaining * 1000) + 5000, relay=relay
+                        content_id=content_id,
+                        ttl_ms=min(int(remaining * 1000) + 5000, MAX_TICKET_TTL_MS),  # a uint32
+                        relay=relay,
                     ),
                     timeout_s=min(remaining, 10.0 + (RELAY_START_WAIT_S if relay else 0.0)),
                 )
