@@ -41,10 +41,10 @@ def command(
     # Checked before any byte moves (the temporary file goes beside the output). A symlink is
     # written through (replacing it would leave its target as it was); only regular files.
     output = output.resolve()
-    if output.exists() and not output.is_file():
-        raise InvalidArgument(f"--output {output} is not a regular file: name a file to write")
     if output.is_dir():
         raise InvalidArgument(f"--output {output} is a directory: name the file to write")
+    if output.exists() and not output.is_file():
+        raise InvalidArgument(f"--output {output} is not a regular file: name a file to write")
     parent = output.absolute().parent
     if not parent.is_dir():
         raise InvalidArgument(f"--output {output}: directory {parent} does not exist")
