@@ -38,6 +38,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _restart_store_past_the_ttl(c: Cluster, up: dict) -> None:
+    """Kill the store and bring it back only once the heartbeat TTL has passed since: every
+    heartbeat and lease it holds is stale (what such tests are about is time itself)."""
+    from tensorcast.config import DEFAULT_HEARTBEAT_TTL_S
+
+    os.kill(_pids(up)["store"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: not _alive(_pids(up)["store"]), 30)
+    wait_until(lambda: time.monotonic() > killed_at + DEFAULT_HEARTBEAT_TTL_S + 1.5, 30, 0.2)
+    _tc(c, "up")
+
+
 def _holders(rt: tc.Runtime, art_id: str) -> set[str]:
     names = {w.worker_id: w.name for w in rt.workers()}
     return {names[r.worker_id] for r in rt.info(art_id).replicas}
@@ -273,12 +285,7 @@ def test_a_store_back_after_an_outage_keeps_its_workers_copies_while_they_report
     worker = _pids(first)["worker-1"]
     os.kill(worker, signal.SIGSTOP)  # it cannot report to the new store until we say so
     try:
-        os.kill(_pids(first)["store"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        wait_until(lambda: not _alive(_pids(first)["store"]), 30)
-        # What this test is about is time itself: the heartbeats must be stale.
-        wait_until(lambda: time.monotonic() > killed_at + DEFAULT_HEARTBEAT_TTL_S + 1.5, 30, 0.2)
-        _tc(c, "up")
+        _restart_store_past_the_ttl(c, first)
         with c.connect() as rt:
             settling_s = rt.store_status().settling_s
             assert 0 <= settling_s <= DEFAULT_HEARTBEAT_TTL_S
@@ -306,7 +313,6 @@ def test_kv_pages_survive_a_store_outage_longer_than_their_shard_leases(cluster_
     its home, and each home takes its own shards back under the next token once the store is
     up again (the first home to beat must not take the other's: architecture.md decision
     121); every page is still there."""
-    from tensorcast.config import DEFAULT_HEARTBEAT_TTL_S
 
     c = cluster_dir
     first = _tc(c, "up", "--workers", "2", "--mem", "64MiB")
@@ -317,12 +323,7 @@ def test_kv_pages_survive_a_store_outage_longer_than_their_shard_leases(cluster_
         rt.pages().put_pages(dict.fromkeys(keys, blob), ttl_s=600)
         before = {lease.shard: lease for lease in rt.shards().leases}
         assert len({lease.holder_worker_id for lease in before.values()}) == 2
-    os.kill(_pids(first)["store"], signal.SIGKILL)
-    killed_at = time.monotonic()
-    wait_until(lambda: not _alive(_pids(first)["store"]), 30)
-    # What this test is about is time itself: the leases must have lapsed.
-    wait_until(lambda: time.monotonic() > killed_at + DEFAULT_HEARTBEAT_TTL_S + 1.5, 30, 0.2)
-    _tc(c, "up")
+    _restart_store_past_the_ttl(c, first)
     with c.connect() as rt:
 
         def taken_back() -> bool:
